@@ -1,0 +1,45 @@
+"""checkpointq's checkpoint store: the model, its Go-compatible encoding, and the stores.
+
+This package knows nothing of Celery; the worker and the producer client build on it.
+"""
+
+from store.base import CheckpointStore, Page, SaveResult, StoreOptions
+from store.errors import (
+    CheckpointError,
+    CheckpointTooLarge,
+    CorruptCheckpoint,
+    InvalidCheckpoint,
+    InvalidInput,
+    InvalidSessionId,
+    StoreUnavailable,
+)
+from store.keys import DEFAULT_PREFIX, KeySpace
+from store.memory import InMemoryStore
+from store.model import Checkpoint, CheckpointMetadata, ConversationMessage, validate_session_id
+from store.redis import RedisStore
+from store.serde import checkpoint_from_wire, deserialize_checkpoint, serialize_checkpoint
+
+__all__ = [
+    "DEFAULT_PREFIX",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointMetadata",
+    "CheckpointStore",
+    "CheckpointTooLarge",
+    "ConversationMessage",
+    "CorruptCheckpoint",
+    "InMemoryStore",
+    "InvalidCheckpoint",
+    "InvalidInput",
+    "InvalidSessionId",
+    "KeySpace",
+    "Page",
+    "RedisStore",
+    "SaveResult",
+    "StoreOptions",
+    "StoreUnavailable",
+    "checkpoint_from_wire",
+    "deserialize_checkpoint",
+    "serialize_checkpoint",
+    "validate_session_id",
+]

@@ -1,0 +1,235 @@
+"""The store contract every checkpoint store fulfils, and the parts they share.
+
+Writes are *fenced* by ``seq``: microseconds since the Unix epoch at which the request was
+made. A save applies iff its ``seq`` is at least the last applied ``seq`` of the session
+(save or delete); a delete leaves a tombstone carrying its ``seq`` so that an older save
+arriving late cannot resurrect the session. At equal ``seq`` a delete wins over a save, so
+the outcome never depends on arrival order. Re-applying the same request is harmless.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from store.codec import DEFAULT_MAX_DECOMPRESSED, ValueCodec
+from store.errors import CheckpointTooLarge, InvalidInput
+from store.model import Checkpoint, validate_session_id
+from store.serde import serialize_checkpoint
+
+logger = logging.getLogger(__name__)
+
+#: A clock returning seconds since the Unix epoch, like ``time.time``; injectable for tests.
+Clock = Callable[[], float]
+
+#: ``seq`` values must stay exact as JSON numbers in every language (IEEE doubles).
+MAX_SEQ = 2**53 - 1
+
+DAY = 24 * 60 * 60
+
+
+@dataclass(frozen=True, slots=True)
+class StoreOptions:
+    """Policy shared by every store; the worker's settings map onto it."""
+
+    #: Lifetime of a session after its last save or refresh, in seconds (Go: 30 days).
+    ttl_seconds: float = 30 * DAY
+    #: How long a delete's tombstone (and any fence) outlives the data, in seconds. It must
+    #: exceed the longest time a request can sit in the queue or in retries, or a very late
+    #: save could resurrect a deleted session.
+    tombstone_ttl_seconds: float = 1 * DAY
+    #: Most recent messages kept in ``conversationHistory`` (Go: 100).
+    history_cap: int = 100
+    #: Largest stored value, in bytes after compression; older messages are dropped to fit.
+    max_value_bytes: int = 1024 * 1024
+    #: zstd level for stored values (3 is zstd's default: fast, good ratio on JSON).
+    compression_level: int = 3
+    #: Refuse to decompress stored values beyond this many bytes (corrupt or hostile data).
+    max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED
+
+    def __post_init__(self) -> None:
+        if self.ttl_seconds <= 0 or self.tombstone_ttl_seconds <= 0:
+            raise ValueError("ttl_seconds and tombstone_ttl_seconds must be positive")
+        if self.history_cap < 1 or self.max_value_bytes < 64:
+            raise ValueError("history_cap must be >= 1 and max_value_bytes >= 64")
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    """What a save did. ``applied`` is False when a newer request had already won."""
+
+    ref: str
+    applied: bool
+    session_id: str
+    version: int
+    seq: int
+    #: Messages dropped from the history to respect the cap and the byte budget.
+    trimmed: int = 0
+    #: Size of the stored value in bytes (0 when not applied).
+    stored_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    """One page of live session ids; pass ``cursor`` back for the next, None when done."""
+
+    session_ids: list[str] = field(default_factory=list)
+    cursor: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedCheckpoint:
+    """A checkpoint ready to store: compressed bytes and what trimming it took."""
+
+    value: bytes
+    trimmed: int
+
+
+def validate_seq(seq: object) -> int:
+    """Return ``seq`` if it is a valid ordering key, else raise InvalidInput."""
+    if isinstance(seq, bool) or not isinstance(seq, int):
+        raise InvalidInput(f"must be an integer, got {type(seq).__name__}", field="seq")
+    if not 0 <= seq <= MAX_SEQ:
+        raise InvalidInput(f"must be between 0 and 2**53-1, got {seq}", field="seq")
+    return seq
+
+
+class CheckpointStore(abc.ABC):
+    """Load, save, delete, refresh, list and expire session checkpoints.
+
+    Implementations must make ``save`` and ``delete`` idempotent and order-safe (see the
+    module docstring) and must hide expired sessions from ``load`` and ``list`` even before
+    ``expire_stale`` removes them.
+    """
+
+    ref_scheme: str = "store"
+
+    def __init__(self, options: StoreOptions | None = None, clock: Clock = time.time) -> None:
+        self.options = options or StoreOptions()
+        self.clock = clock
+        self.codec = ValueCodec(
+            level=self.options.compression_level,
+            max_decompressed=self.options.max_decompressed_bytes,
+        )
+
+    # -- the contract -------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def save(self, checkpoint: Checkpoint, seq: int | None = None) -> SaveResult:
+        """Apply a save unless a request with a higher ``seq`` (or a delete) already won."""
+
+    @abc.abstractmethod
+    def load(self, session_id: str) -> Checkpoint | None:
+        """Return the live checkpoint, or None when absent, expired or deleted."""
+
+    @abc.abstractmethod
+    def delete(self, session_id: str, seq: int | None = None) -> bool:
+        """Delete and leave a tombstone; False when a newer save had already won."""
+
+    @abc.abstractmethod
+    def refresh(self, session_id: str) -> bool:
+        """Extend a live session's lifetime without rewriting it; False if it is absent."""
+
+    @abc.abstractmethod
+    def list_page(self, cursor: str | None = None, count: int = 1000) -> Page:
+        """One page of live session ids; iterate until ``cursor`` is None."""
+
+    @abc.abstractmethod
+    def expire_stale(self, now: float | None = None, limit: int = 1000) -> list[str]:
+        """Remove up to ``limit`` sessions whose deadline has passed; return their ids."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most stores hold nothing
+        """Release connections; the store is unusable afterwards."""
+
+    # -- shared behaviour ---------------------------------------------------------------
+
+    def iter_session_ids(self, batch: int = 1000) -> Iterator[str]:
+        """Every live session id, fetched a page at a time (each id once per page)."""
+        cursor: str | None = None
+        seen: set[str] = set()
+        while True:
+            page = self.list_page(cursor, batch)
+            for session_id in page.session_ids:
+                if session_id not in seen:
+                    seen.add(session_id)
+                    yield session_id
+            if page.cursor is None:
+                return
+            cursor = page.cursor
+
+    def list(self) -> list[str]:
+        """Every live session id. Use ``iter_session_ids`` or ``list_page`` for large sets."""
+        return list(self.iter_session_ids())
+
+    def ref(self, session_id: str, version: int) -> str:
+        return f"{self.ref_scheme}://{session_id}/v{version}"
+
+    def now_seq(self) -> int:
+        """The ``seq`` stamped on a request that arrives without one."""
+        return int(self.clock() * 1_000_000)
+
+    def resolve_seq(self, seq: int | None) -> int:
+        return self.now_seq() if seq is None else validate_seq(seq)
+
+    @staticmethod
+    def check_session_id(session_id: object) -> str:
+        return validate_session_id(session_id)
+
+    def encode(self, checkpoint: Checkpoint) -> EncodedCheckpoint:
+        """Serialize and compress, dropping the oldest messages to respect cap and budget.
+
+        Raises:
+            CheckpointTooLarge: even the newest message alone exceeds ``max_value_bytes``.
+        """
+        history = checkpoint.conversation_history
+        cap = self.options.history_cap
+        keep = min(len(history), cap)
+        if len(history) > cap:
+            logger.warning(
+                "session %s: history has %d messages; keeping the most recent %d",
+                checkpoint.session_id,
+                len(history),
+                cap,
+            )
+        value = self._encode_keeping(checkpoint, keep)
+        budget = self.options.max_value_bytes
+        if len(value) > budget:
+            value, keep = self._fit_budget(checkpoint, keep, budget)
+            logger.warning(
+                "session %s: checkpoint exceeds %d bytes compressed; kept the %d most recent "
+                "messages",
+                checkpoint.session_id,
+                budget,
+                keep,
+            )
+        return EncodedCheckpoint(value=value, trimmed=len(history) - keep)
+
+    def _encode_keeping(self, checkpoint: Checkpoint, keep: int) -> bytes:
+        history = checkpoint.conversation_history
+        if keep != len(history):
+            checkpoint = checkpoint.model_copy(
+                update={"conversation_history": history[len(history) - keep :]}
+            )
+        return self.codec.encode(serialize_checkpoint(checkpoint))
+
+    def _fit_budget(self, checkpoint: Checkpoint, keep: int, budget: int) -> tuple[bytes, int]:
+        # Binary search for the most messages that fit: O(log n) compressions, not O(n).
+        low, high = 0, keep - 1  # keep itself is known not to fit
+        best: bytes | None = None
+        while low <= high:
+            mid = (low + high) // 2
+            value = self._encode_keeping(checkpoint, mid)
+            if len(value) <= budget:
+                best, low = value, mid + 1
+            else:
+                high = mid - 1
+        if best is None or high < 1:
+            raise CheckpointTooLarge(
+                f"session {checkpoint.session_id}: even the most recent message alone does "
+                f"not fit the {budget}-byte stored-size budget",
+                field="conversationHistory",
+            )
+        return best, high

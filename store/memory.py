@@ -1,0 +1,133 @@
+"""A thread-safe in-process store with the same contract as the Redis store.
+
+It keeps *serialized, compressed bytes*, not objects, so its tests exercise the same
+encoding path as Redis; and it takes an injectable clock so that TTLs and tombstones can be
+tested without waiting.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from store.base import CheckpointStore, Clock, Page, SaveResult, StoreOptions
+from store.codec import CodecError
+from store.errors import CorruptCheckpoint, InvalidCheckpoint
+from store.model import Checkpoint
+from store.serde import deserialize_checkpoint
+
+
+@dataclass(slots=True)
+class _Fence:
+    seq: int
+    deleted: bool
+    #: When the fence itself may be forgotten (seconds since epoch).
+    expires_at: float
+
+
+@dataclass(slots=True)
+class _Entry:
+    value: bytes
+    deadline: float
+
+
+class InMemoryStore(CheckpointStore):
+    """For development and tests; data lives as long as the process."""
+
+    ref_scheme = "memory"
+
+    def __init__(self, options: StoreOptions | None = None, clock: Clock = time.time) -> None:
+        super().__init__(options, clock)
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._fences: dict[str, _Fence] = {}
+
+    def _live_fence(self, session_id: str, now: float) -> _Fence | None:
+        fence = self._fences.get(session_id)
+        if fence is not None and fence.expires_at <= now:
+            del self._fences[session_id]
+            return None
+        return fence
+
+    def save(self, checkpoint: Checkpoint, seq: int | None = None) -> SaveResult:
+        seq = self.resolve_seq(seq)
+        session_id = checkpoint.session_id
+        encoded = self.encode(checkpoint)
+        ref = self.ref(session_id, checkpoint.version)
+        with self._lock:
+            now = self.clock()
+            fence = self._live_fence(session_id, now)
+            if fence is not None and (seq < fence.seq or (seq == fence.seq and fence.deleted)):
+                return SaveResult(ref, False, session_id, checkpoint.version, seq)
+            deadline = now + self.options.ttl_seconds
+            self._entries[session_id] = _Entry(encoded.value, deadline)
+            self._fences[session_id] = _Fence(
+                seq, False, deadline + self.options.tombstone_ttl_seconds
+            )
+        return SaveResult(
+            ref, True, session_id, checkpoint.version, seq, encoded.trimmed, len(encoded.value)
+        )
+
+    def load(self, session_id: str) -> Checkpoint | None:
+        self.check_session_id(session_id)
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is None or entry.deadline <= self.clock():
+                return None
+            value = entry.value
+        try:
+            return deserialize_checkpoint(self.codec.decode(value))
+        except (CodecError, InvalidCheckpoint) as exc:
+            raise CorruptCheckpoint(session_id, str(exc)) from None
+
+    def delete(self, session_id: str, seq: int | None = None) -> bool:
+        self.check_session_id(session_id)
+        seq = self.resolve_seq(seq)
+        with self._lock:
+            now = self.clock()
+            fence = self._live_fence(session_id, now)
+            if fence is not None and seq < fence.seq:
+                return False
+            self._entries.pop(session_id, None)
+            self._fences[session_id] = _Fence(
+                seq, True, now + self.options.tombstone_ttl_seconds
+            )
+        return True
+
+    def refresh(self, session_id: str) -> bool:
+        self.check_session_id(session_id)
+        with self._lock:
+            now = self.clock()
+            entry = self._entries.get(session_id)
+            if entry is None or entry.deadline <= now:
+                return False
+            entry.deadline = now + self.options.ttl_seconds
+            fence = self._fences.get(session_id)
+            if fence is not None:
+                fence.expires_at = entry.deadline + self.options.tombstone_ttl_seconds
+        return True
+
+    def list_page(self, cursor: str | None = None, count: int = 1000) -> Page:
+        start = int(cursor) if cursor else 0
+        with self._lock:
+            now = self.clock()
+            live = sorted(sid for sid, e in self._entries.items() if e.deadline > now)
+        chunk = live[start : start + count]
+        next_cursor = str(start + count) if start + count < len(live) else None
+        return Page(chunk, next_cursor)
+
+    def expire_stale(self, now: float | None = None, limit: int = 1000) -> list[str]:
+        with self._lock:
+            now = self.clock() if now is None else now
+            stale = sorted(
+                (e.deadline, sid) for sid, e in self._entries.items() if e.deadline <= now
+            )[:limit]
+            for _, session_id in stale:
+                del self._entries[session_id]
+        return [session_id for _, session_id in stale]
+
+    def inject_raw(self, session_id: str, value: bytes) -> None:
+        """Store raw bytes as a session's value (tests of corrupt data only)."""
+        with self._lock:
+            self._entries[session_id] = _Entry(value, self.clock() + self.options.ttl_seconds)

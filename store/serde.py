@@ -1,0 +1,136 @@
+"""Checkpoint <-> JSON, byte for byte as Go's ``encoding/json`` writes it.
+
+Field order is the Go struct's, empty fields are omitted where the Go tags say
+``omitempty``, and ``<``, ``>``, ``&``, U+2028 and U+2029 are escaped as Go escapes them, so a
+document written here is the document Go would have written. Unknown fields follow the known
+ones in the order they arrived.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+from pydantic import ValidationError
+
+from store.errors import InvalidCheckpoint
+from store.model import Checkpoint, CheckpointMetadata, ConversationMessage, format_rfc3339
+
+# Go escapes these inside strings (HTML safety and JavaScript line terminators). None of
+# them can occur in JSON outside a string, so replacing them in the encoded bytes is exact.
+_GO_ESCAPES = (
+    (b"&", b"\\u0026"),
+    (b"<", b"\\u003c"),
+    (b">", b"\\u003e"),
+    ("\u2028".encode(), b"\\u2028"),
+    ("\u2029".encode(), b"\\u2029"),
+)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _metadata_to_wire(meta: CheckpointMetadata) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if meta.total_messages:
+        out["totalMessages"] = meta.total_messages
+    if meta.total_tokens:
+        out["totalTokens"] = meta.total_tokens
+    if meta.total_cost_usd:
+        out["totalCostUSD"] = meta.total_cost_usd
+    if meta.start_time is not None:
+        out["startTime"] = format_rfc3339(meta.start_time)
+    if meta.last_message_time is not None:
+        out["lastMessageTime"] = format_rfc3339(meta.last_message_time)
+    if meta.__pydantic_extra__:
+        out.update(meta.__pydantic_extra__)
+    return out
+
+
+def _message_to_wire(message: ConversationMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.trace_entries:
+        out["traceEntries"] = message.trace_entries
+    if message.__pydantic_extra__:
+        out.update(message.__pydantic_extra__)
+    return out
+
+
+def checkpoint_to_wire(cp: Checkpoint) -> dict[str, Any]:
+    """The checkpoint as the JSON object Go would marshal, as plain Python data."""
+    out: dict[str, Any] = {"sessionId": cp.session_id, "version": cp.version}
+    if cp.conversation_history:
+        out["conversationHistory"] = [_message_to_wire(m) for m in cp.conversation_history]
+    out["metadata"] = _metadata_to_wire(cp.metadata)
+    if cp.last_run_ref:
+        out["lastRunRef"] = cp.last_run_ref
+    if cp.__pydantic_extra__:
+        out.update(cp.__pydantic_extra__)
+    return out
+
+
+def dumps_go(value: Any) -> bytes:
+    """Encode plain JSON data compactly, with Go's string escaping."""
+    try:
+        data = orjson.dumps(value)
+    except TypeError:
+        # orjson refuses integers outside 64 bits; an unknown field may legitimately hold one.
+        data = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    for raw, escaped in _GO_ESCAPES:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return data
+
+
+def loads_json(data: bytes | str) -> Any:
+    """Decode strict JSON (no NaN or Infinity, valid UTF-8), as Go's decoder would accept it."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as fast_error:
+        try:
+            # orjson refuses integers outside 64 bits; the stdlib parser does not.
+            return json.loads(data, parse_constant=_reject_constant)
+        except (ValueError, UnicodeDecodeError):
+            raise InvalidCheckpoint(f"not valid JSON ({fast_error})") from None
+
+
+def _describe(error: ValidationError) -> str:
+    details = error.errors(include_url=False)
+    first = details[0]
+    path = ""
+    for part in first["loc"]:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    message = f"{path or 'checkpoint'}: {first['msg']}"
+    if len(details) > 1:
+        message += f" (and {len(details) - 1} more problem(s))"
+    return message
+
+
+def checkpoint_from_wire(value: Any) -> Checkpoint:
+    """Validate already-decoded JSON data (for example a task argument) as a checkpoint.
+
+    Raises:
+        InvalidCheckpoint: the data is not a checkpoint; the message names the field.
+    """
+    if not isinstance(value, dict):
+        raise InvalidCheckpoint(f"must be a JSON object, got {type(value).__name__}")
+    try:
+        return Checkpoint.model_validate(value, by_alias=True, by_name=False)
+    except ValidationError as exc:
+        raise InvalidCheckpoint(_describe(exc)) from None
+
+
+def serialize_checkpoint(cp: Checkpoint) -> bytes:
+    """Encode a checkpoint as Go's ``SerializeCheckpoint`` would: compact JSON bytes."""
+    return dumps_go(checkpoint_to_wire(cp))
+
+
+def deserialize_checkpoint(data: bytes | str) -> Checkpoint:
+    """Decode a checkpoint from JSON bytes, as Go's ``DeserializeCheckpoint`` would.
+
+    Raises:
+        InvalidCheckpoint: the bytes are not JSON or not a valid checkpoint.
+    """
+    return checkpoint_from_wire(loads_json(data))

@@ -1,0 +1,101 @@
+"""Private redis-server processes for tests: free loopback ports, temp dirs, always stopped.
+
+Tests never touch the machine's shared Redis on 127.0.0.1:6379.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_until(predicate: object, timeout: float = 10.0, interval: float = 0.02,
+               message: str = "condition") -> None:
+    """Poll ``predicate`` until it returns truthy, or fail after ``timeout`` seconds."""
+    assert callable(predicate)
+    deadline = time.monotonic() + timeout
+    last_error: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except Exception as exc:  # noqa: BLE001 - remembered and reported on timeout
+            last_error = exc
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {message}") from last_error
+
+
+@dataclass
+class RedisServer:
+    """One redis-server process; ``start()`` may be called again after ``stop()``."""
+
+    port: int = field(default_factory=free_port)
+    appendonly: bool = False
+    password: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cq-redis-")))
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
+                           socket_timeout=5)
+
+    def start(self) -> RedisServer:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not on PATH (scripts/test installs it)")
+        args = [
+            binary, "--port", str(self.port), "--bind", "127.0.0.1",
+            "--dir", str(self.workdir), "--save", "",
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", "always",
+            "--logfile", str(self.workdir / "redis.log"),
+            *(["--requirepass", self.password] if self.password else []),
+            *self.extra_args,
+        ]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL)
+        probe = self.client()
+        try:
+            wait_until(probe.ping, timeout=10, message=f"redis-server on port {self.port}")
+        finally:
+            probe.close()
+        return self
+
+    def stop(self, *, kill: bool = False) -> None:
+        if self.process is None:
+            return
+        if kill:
+            self.process.kill()
+        else:
+            self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.process = None
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
