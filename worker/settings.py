@@ -1,0 +1,115 @@
+"""Every setting of checkpointq, in one typed place (environment prefix ``CHECKPOINTQ_``).
+
+Each field's comment gives its unit and why the default is what it is. ``worker/app.py``
+maps these onto Celery's configuration; ``store_options()`` onto the store's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from store.base import StoreOptions
+from store.keys import DEFAULT_PREFIX
+from store.urls import redact_url
+
+DAY = 24 * 60 * 60
+
+
+class Settings(BaseSettings):
+    """Configuration read from ``CHECKPOINTQ_*`` environment variables (or a ``.env`` file)."""
+
+    model_config = SettingsConfigDict(env_prefix="CHECKPOINTQ_", env_file=".env", extra="ignore")
+
+    # -- where things live ------------------------------------------------------------
+    #: Celery broker URL (redis://, rediss://, unix://). Unset: `checkpointq up` starts an
+    #: embedded Redis under ``data_dir`` and every command finds it there.
+    broker_url: str | None = None
+    #: Store Redis URL. Unset: the broker's.
+    store_url: str | None = None
+    #: Directory of the embedded Redis (socket, AOF files, pid). Default ``./.checkpointq``.
+    data_dir: Path = Path(".checkpointq")
+    #: Prefix of every store key; the Go store's default, so both sides share data.
+    key_prefix: str = DEFAULT_PREFIX
+    #: Celery queue (a Redis list of that name) that producers push to.
+    queue: str = "checkpoints"
+
+    # -- store policy -----------------------------------------------------------------
+    #: Session lifetime after its last save or refresh, seconds (Go: 30 days).
+    ttl_seconds: float = Field(default=30 * DAY, gt=0)
+    #: How long deletes are remembered, seconds. Must outlive any redelivery: the visibility
+    #: timeout plus the whole retry schedule, with a wide margin (default 24 h).
+    tombstone_ttl_seconds: float = Field(default=1 * DAY, gt=0)
+    #: Most recent messages kept per checkpoint (Go: 100).
+    history_cap: int = Field(default=100, ge=1)
+    #: Largest stored value after compression, bytes; older messages are dropped to fit.
+    max_value_bytes: int = Field(default=1024 * 1024, ge=1024)
+    #: Largest task message accepted, bytes (JSON body); larger ones are dead-lettered.
+    max_message_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+
+    # -- delivery ---------------------------------------------------------------------
+    #: Seconds before Redis redelivers a message a worker fetched but never acknowledged
+    #: (worker killed). Longer than any task run plus retry countdown, so a healthy worker's
+    #: message is not handed out twice; duplicates would be harmless anyway (fenced writes).
+    visibility_timeout: int = Field(default=300, ge=10)
+    #: Messages each worker process reserves ahead; 1 keeps crash redelivery small.
+    prefetch_multiplier: int = Field(default=1, ge=1)
+    #: Retries of a request whose store is unavailable, before it is dead-lettered.
+    retry_max: int = Field(default=8, ge=0)
+    #: First retry delay, seconds; doubles each retry, with full jitter.
+    retry_backoff_seconds: float = Field(default=1.0, gt=0)
+    #: Ceiling of one retry delay, seconds. Kept well below ``visibility_timeout``.
+    retry_backoff_max_seconds: float = Field(default=60.0, gt=0)
+    #: Worker pool and processes (or threads) per worker.
+    pool: Literal["prefork", "solo", "threads"] = "prefork"
+    concurrency: int = Field(default=2, ge=1)
+    #: Allow Celery remote control (inspect, shutdown over the broker). Off: nobody with
+    #: broker access can stop workers by pushing a control message.
+    remote_control: bool = False
+
+    # -- housekeeping -----------------------------------------------------------------
+    #: Seconds between beat's sweeps of expired sessions.
+    sweep_interval_seconds: float = Field(default=60.0, gt=0)
+    #: Most sessions one sweep expires (the next sweep carries on).
+    sweep_limit: int = Field(default=10_000, ge=1)
+    #: Entries kept in the dead-letter stream (oldest trimmed first).
+    dead_letter_maxlen: int = Field(default=100_000, ge=100)
+    #: Entries kept in the events stream (expired/deleted session ids).
+    events_maxlen: int = Field(default=100_000, ge=100)
+
+    # -- logging ----------------------------------------------------------------------
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @model_validator(mode="after")
+    def _delivery_fits(self) -> Settings:
+        if self.retry_backoff_max_seconds >= self.visibility_timeout:
+            raise ValueError(
+                "retry_backoff_max_seconds must be below visibility_timeout, or a retried "
+                "message would be redelivered while it waits"
+            )
+        if self.tombstone_ttl_seconds <= self.visibility_timeout:
+            raise ValueError("tombstone_ttl_seconds must exceed visibility_timeout")
+        return self
+
+    @property
+    def resolved_store_url(self) -> str | None:
+        return self.store_url or self.broker_url
+
+    def store_options(self) -> StoreOptions:
+        return StoreOptions(
+            ttl_seconds=self.ttl_seconds,
+            tombstone_ttl_seconds=self.tombstone_ttl_seconds,
+            history_cap=self.history_cap,
+            max_value_bytes=self.max_value_bytes,
+        )
+
+    def describe(self) -> dict[str, object]:
+        """The settings as they may be printed or logged: URLs redacted."""
+        shown = self.model_dump(mode="json")
+        for name in ("broker_url", "store_url"):
+            if shown[name]:
+                shown[name] = redact_url(shown[name])
+        return shown
