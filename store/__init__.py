@@ -3,7 +3,7 @@
 This package knows nothing of Celery; the worker and the producer client build on it.
 """
 
-from store.base import CheckpointStore, Page, SaveResult, StoreOptions
+from store.base import CheckpointStore, Fence, Page, SaveResult, StoreOptions
 from store.errors import (
     CheckpointError,
     CheckpointTooLarge,
@@ -21,6 +21,7 @@ from store.serde import checkpoint_from_wire, deserialize_checkpoint, serialize_
 
 __all__ = [
     "DEFAULT_PREFIX",
+    "Fence",
     "Checkpoint",
     "CheckpointError",
     "CheckpointMetadata",

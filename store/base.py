@@ -81,6 +81,14 @@ class Page:
 
 
 @dataclass(frozen=True, slots=True)
+class Fence:
+    """The last request applied to a session: its ``seq`` and whether it was a delete."""
+
+    seq: int
+    deleted: bool
+
+
+@dataclass(frozen=True, slots=True)
 class EncodedCheckpoint:
     """A checkpoint ready to store: compressed bytes and what trimming it took."""
 
@@ -132,6 +140,11 @@ class CheckpointStore(abc.ABC):
     @abc.abstractmethod
     def refresh(self, session_id: str) -> bool:
         """Extend a live session's lifetime without rewriting it; False if it is absent."""
+
+    @abc.abstractmethod
+    def fence(self, session_id: str) -> Fence | None:
+        """The last applied request of a session, while it is remembered (read-your-writes:
+        a request with ``seq`` S is durable once ``fence.seq >= S``)."""
 
     @abc.abstractmethod
     def list_page(self, cursor: str | None = None, count: int = 1000) -> Page:

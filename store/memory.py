@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from store.base import CheckpointStore, Clock, Page, SaveResult, StoreOptions
+from store.base import CheckpointStore, Clock, Fence, Page, SaveResult, StoreOptions
 from store.codec import CodecError
 from store.errors import CorruptCheckpoint, InvalidCheckpoint
 from store.model import Checkpoint
@@ -107,6 +107,12 @@ class InMemoryStore(CheckpointStore):
             if fence is not None:
                 fence.expires_at = entry.deadline + self.options.tombstone_ttl_seconds
         return True
+
+    def fence(self, session_id: str) -> Fence | None:
+        self.check_session_id(session_id)
+        with self._lock:
+            fence = self._live_fence(session_id, self.clock())
+            return None if fence is None else Fence(fence.seq, fence.deleted)
 
     def list_page(self, cursor: str | None = None, count: int = 1000) -> Page:
         start = int(cursor) if cursor else 0

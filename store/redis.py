@@ -17,7 +17,7 @@ from typing import Any
 import redis
 from redis import exceptions as redis_errors
 
-from store.base import CheckpointStore, Clock, Page, SaveResult, StoreOptions
+from store.base import CheckpointStore, Clock, Fence, Page, SaveResult, StoreOptions
 from store.codec import CodecError
 from store.errors import CorruptCheckpoint, InvalidCheckpoint, StoreUnavailable
 from store.keys import DEFAULT_PREFIX, KeySpace
@@ -177,6 +177,14 @@ class RedisStore(CheckpointStore):
             return deserialize_checkpoint(self.codec.decode(stored))
         except (CodecError, InvalidCheckpoint) as exc:
             raise CorruptCheckpoint(session_id, str(exc)) from None
+
+    def fence(self, session_id: str) -> Fence | None:
+        self.check_session_id(session_id)
+        with _store_errors(f"read fence of {session_id!r}"):
+            seq, deleted = self.client.hmget(self.keys.fence(session_id), "seq", "deleted")
+        if seq is None:
+            return None
+        return Fence(int(seq), deleted == b"1")
 
     def list_page(self, cursor: str | None = None, count: int = 1000) -> Page:
         now_ms = _ms(self.clock())
