@@ -21,7 +21,6 @@ from store.serde import checkpoint_from_wire, deserialize_checkpoint, serialize_
 
 __all__ = [
     "DEFAULT_PREFIX",
-    "Fence",
     "Checkpoint",
     "CheckpointError",
     "CheckpointMetadata",
@@ -29,6 +28,7 @@ __all__ = [
     "CheckpointTooLarge",
     "ConversationMessage",
     "CorruptCheckpoint",
+    "Fence",
     "InMemoryStore",
     "InvalidCheckpoint",
     "InvalidInput",

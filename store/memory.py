@@ -90,9 +90,7 @@ class InMemoryStore(CheckpointStore):
             if fence is not None and seq < fence.seq:
                 return False
             self._entries.pop(session_id, None)
-            self._fences[session_id] = _Fence(
-                seq, True, now + self.options.tombstone_ttl_seconds
-            )
+            self._fences[session_id] = _Fence(seq, True, now + self.options.tombstone_ttl_seconds)
         return True
 
     def refresh(self, session_id: str) -> bool:

@@ -50,7 +50,9 @@ def _store_errors(action: str) -> Iterator[None]:
     try:
         yield
     except _TRANSIENT as exc:
-        raise StoreUnavailable(f"{action}: Redis unavailable ({type(exc).__name__}: {exc})") from exc
+        raise StoreUnavailable(
+            f"{action}: Redis unavailable ({type(exc).__name__}: {exc})"
+        ) from exc
     except redis_errors.RedisError as exc:
         # Anything else (OOM, WRONGTYPE, ...) is an operator's problem, not the request's:
         # report it as unavailable so the request is retried and, failing that, kept.
@@ -230,7 +232,9 @@ class RedisStore(CheckpointStore):
         added = 0
         now_ms = _ms(self.clock())
         with _store_errors("reindex"):
-            for keys in _chunks(self.client.scan_iter(self.keys.data_pattern(), count=batch), batch):
+            for keys in _chunks(
+                self.client.scan_iter(self.keys.data_pattern(), count=batch), batch
+            ):
                 pipe = self.client.pipeline(transaction=False)
                 for key in keys:
                     pipe.pttl(key)
@@ -261,4 +265,3 @@ def _chunks(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
             chunk = []
     if chunk:
         yield chunk
-

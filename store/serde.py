@@ -9,6 +9,7 @@ ones in the order they arrived.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import orjson
@@ -26,6 +27,11 @@ _GO_ESCAPES = (
     ("\u2028".encode(), b"\\u2028"),
     ("\u2029".encode(), b"\\u2029"),
 )
+
+
+# orjson reads integers beyond 64 bits as floats, silently; a run of 19 or more digits sends
+# the document to the stdlib parser instead, which keeps them exact.
+_LONG_DIGITS = re.compile(rb"\d{19}")
 
 
 def _reject_constant(name: str) -> Any:
@@ -77,7 +83,9 @@ def dumps_go(value: Any) -> bytes:
         data = orjson.dumps(value)
     except TypeError:
         # orjson refuses integers outside 64 bits; an unknown field may legitimately hold one.
-        data = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+        data = json.dumps(
+            value, ensure_ascii=False, separators=(",", ":"), allow_nan=False
+        ).encode()
     for raw, escaped in _GO_ESCAPES:
         if raw in data:
             data = data.replace(raw, escaped)
@@ -86,14 +94,13 @@ def dumps_go(value: Any) -> bytes:
 
 def loads_json(data: bytes | str) -> Any:
     """Decode strict JSON (no NaN or Infinity, valid UTF-8), as Go's decoder would accept it."""
+    raw = data.encode() if isinstance(data, str) else data
     try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError as fast_error:
-        try:
-            # orjson refuses integers outside 64 bits; the stdlib parser does not.
-            return json.loads(data, parse_constant=_reject_constant)
-        except (ValueError, UnicodeDecodeError):
-            raise InvalidCheckpoint(f"not valid JSON ({fast_error})") from None
+        if _LONG_DIGITS.search(raw):
+            return json.loads(raw, parse_constant=_reject_constant)
+        return orjson.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:  # orjson.JSONDecodeError is a ValueError
+        raise InvalidCheckpoint(f"not valid JSON ({exc})") from None
 
 
 def _describe(error: ValidationError) -> str:

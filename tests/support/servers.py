@@ -24,8 +24,9 @@ def free_port() -> int:
         return port
 
 
-def wait_until(predicate: object, timeout: float = 10.0, interval: float = 0.02,
-               message: str = "condition") -> None:
+def wait_until(
+    predicate: object, timeout: float = 10.0, interval: float = 0.02, message: str = "condition"
+) -> None:
     """Poll ``predicate`` until it returns truthy, or fail after ``timeout`` seconds."""
     assert callable(predicate)
     deadline = time.monotonic() + timeout
@@ -34,7 +35,7 @@ def wait_until(predicate: object, timeout: float = 10.0, interval: float = 0.02,
         try:
             if predicate():
                 return
-        except Exception as exc:  # noqa: BLE001 - remembered and reported on timeout
+        except Exception as exc:  # remembered, reported on timeout
             last_error = exc
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {message}") from last_error
@@ -57,24 +58,34 @@ class RedisServer:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
-                           socket_timeout=5)
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5
+        )
 
     def start(self) -> RedisServer:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not on PATH (scripts/test installs it)")
         args = [
-            binary, "--port", str(self.port), "--bind", "127.0.0.1",
-            "--dir", str(self.workdir), "--save", "",
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", "always",
-            "--logfile", str(self.workdir / "redis.log"),
+            binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.workdir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            "always",
+            "--logfile",
+            str(self.workdir / "redis.log"),
             *(["--requirepass", self.password] if self.password else []),
             *self.extra_args,
         ]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         probe = self.client()
         try:
             wait_until(probe.ping, timeout=10, message=f"redis-server on port {self.port}")

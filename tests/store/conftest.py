@@ -1,0 +1,106 @@
+"""Fixtures for the store contract suite: one test body, every backend.
+
+``store_env`` is parametrized over the in-memory store, the Redis store on fakeredis and the
+Redis store on a real ``redis-server``. Tests say "let this much time pass" through
+``StoreEnv.pass_time``: the in-memory store's clock is advanced at once; Redis stores keep
+real time (Redis expires keys by its own clock), so the call polls until the time has passed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import fakeredis
+import pytest
+import redis
+
+from store import CheckpointStore, InMemoryStore, RedisStore, StoreOptions
+from tests.support.servers import RedisServer
+
+BACKENDS = ["memory", "fakeredis", "redis"]
+_prefixes = itertools.count()
+
+
+class FakeClock:
+    """A settable clock, starting at the real time so seqs look realistic."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class StoreEnv:
+    """A backend under test, and how to build stores on it and reach behind them."""
+
+    backend: str
+    make: Callable[[StoreOptions | None], CheckpointStore]
+    clock: FakeClock | None
+    raw: Any  # the redis client behind Redis stores, None for memory
+
+    def store(self, **options: Any) -> CheckpointStore:
+        return self.make(StoreOptions(**options) if options else None)
+
+    def pass_time(self, seconds: float) -> None:
+        if self.clock is not None:
+            self.clock.advance(seconds)
+            return
+        target = time.time() + seconds
+        while time.time() < target:
+            time.sleep(min(0.05, max(0.0, target - time.time())))
+
+    def corrupt(self, store: CheckpointStore, session_id: str, value: bytes) -> None:
+        """Overwrite a session's stored bytes behind the store's back."""
+        if isinstance(store, InMemoryStore):
+            store.inject_raw(session_id, value)
+        else:
+            assert isinstance(store, RedisStore)
+            store.client.set(store.keys.data(session_id), value, px=60_000)
+
+
+@pytest.fixture(params=BACKENDS)
+def store_env(request: pytest.FixtureRequest) -> Iterator[StoreEnv]:
+    backend: str = request.param
+    if backend == "memory":
+        clock = FakeClock()
+
+        def make_memory(options: StoreOptions | None) -> CheckpointStore:
+            return InMemoryStore(options, clock=clock)
+
+        yield StoreEnv(backend, make_memory, clock, None)
+        return
+    if backend == "fakeredis":
+        client: Any = fakeredis.FakeRedis(server=fakeredis.FakeServer())
+    else:
+        server: RedisServer = request.getfixturevalue("redis_server")
+        client = server.client()
+        client.flushall()
+    prefix = f"t{next(_prefixes)}"
+
+    def make_redis(options: StoreOptions | None) -> CheckpointStore:
+        return RedisStore(client, prefix=prefix, options=options)
+
+    yield StoreEnv(backend, make_redis, None, client)
+    client.close()
+
+
+@pytest.fixture
+def store(store_env: StoreEnv) -> CheckpointStore:
+    return store_env.store()
+
+
+@pytest.fixture
+def real_redis(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    client = redis_server.client()
+    client.flushall()
+    yield client
+    client.close()

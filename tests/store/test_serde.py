@@ -1,0 +1,143 @@
+"""The wire format: Go's encoding/json semantics, field for field."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from store import (
+    Checkpoint,
+    CheckpointMetadata,
+    ConversationMessage,
+    InvalidCheckpoint,
+    checkpoint_from_wire,
+    deserialize_checkpoint,
+    serialize_checkpoint,
+)
+
+
+def test_empty_fields_are_omitted_as_go_omitempty_does() -> None:
+    cp = Checkpoint(session_id="s1")
+    assert serialize_checkpoint(cp) == b'{"sessionId":"s1","version":0,"metadata":{}}'
+
+
+def test_attributes_are_snake_case_and_json_is_camel_case() -> None:
+    cp = deserialize_checkpoint(
+        b'{"sessionId":"s","version":2,"lastRunRef":"r","conversationHistory":'
+        b'[{"role":"user","content":"c","traceEntries":"t"}],"metadata":{"totalMessages":1,'
+        b'"totalTokens":5,"totalCostUSD":"0.000100"}}'
+    )
+    assert (cp.session_id, cp.version, cp.last_run_ref) == ("s", 2, "r")
+    assert cp.conversation_history[0].trace_entries == "t"
+    assert (cp.metadata.total_messages, cp.metadata.total_tokens) == (1, 5)
+    assert cp.metadata.total_cost_usd == "0.000100"
+
+
+@pytest.mark.parametrize(
+    ("written", "expected"),
+    [
+        ("2026-12-02T08:30:00Z", "2026-12-02T08:30:00Z"),
+        ("2026-12-02T08:30:00.987654321Z", "2026-12-02T08:30:00Z"),
+        ("2026-12-02T09:30:00+01:00", "2026-12-02T08:30:00Z"),
+        ("2026-12-02T03:00:00.5-05:30", "2026-12-02T08:30:00Z"),
+    ],
+)
+def test_any_rfc3339_time_is_read_and_written_as_utc_seconds(written: str, expected: str) -> None:
+    cp = deserialize_checkpoint(
+        f'{{"sessionId":"s","metadata":{{"startTime":"{written}"}}}}'.encode()
+    )
+    assert cp.metadata.start_time is not None
+    assert cp.metadata.start_time.tzinfo is not None
+    assert f'"startTime":"{expected}"'.encode() in serialize_checkpoint(cp)
+
+
+def test_go_zero_time_and_null_mean_absent() -> None:
+    cp = deserialize_checkpoint(
+        b'{"sessionId":"s","metadata":{"startTime":"0001-01-01T00:00:00Z",'
+        b'"lastMessageTime":null},"conversationHistory":null,"lastRunRef":null}'
+    )
+    assert cp.metadata.start_time is None and cp.metadata.last_message_time is None
+    assert serialize_checkpoint(cp) == b'{"sessionId":"s","version":0,"metadata":{}}'
+
+
+def test_missing_metadata_is_written_as_an_empty_object() -> None:
+    assert b'"metadata":{}' in serialize_checkpoint(deserialize_checkpoint(b'{"sessionId":"s"}'))
+
+
+@pytest.mark.parametrize(
+    ("document", "field"),
+    [
+        (b'{"sessionId":"s","version":3.5}', "version"),
+        (b'{"sessionId":"s","version":3.0}', "version"),
+        (b'{"sessionId":"s","version":"3"}', "version"),
+        (b'{"sessionId":"s","version":true}', "version"),
+        (b'{"sessionId":"s","version":9223372036854775808}', "version"),
+        (b'{"sessionId":"s","metadata":{"totalTokens":"12"}}', "metadata.totalTokens"),
+        (b'{"sessionId":"s","metadata":{"totalCostUSD":0.5}}', "metadata.totalCostUSD"),
+        (b'{"sessionId":"s","metadata":{"totalCostUSD":"cheap"}}', "metadata.totalCostUSD"),
+        (b'{"sessionId":"s","metadata":{"startTime":"yesterday"}}', "metadata.startTime"),
+        (b'{"sessionId":"s","metadata":[]}', "metadata"),
+        (
+            b'{"sessionId":"s","conversationHistory":[{"role":"user"},{"role":7}]}',
+            "conversationHistory[1].role",
+        ),
+        (b'{"sessionId":"s","conversationHistory":{}}', "conversationHistory"),
+        (b'{"version":1}', "sessionId"),
+        (b'{"sessionId":""}', "sessionId"),
+        (b'{"sessionId":"a\\u0000b"}', "sessionId"),
+        (b'{"sessionId":12}', "sessionId"),
+    ],
+)
+def test_invalid_documents_are_rejected_naming_the_field(document: bytes, field: str) -> None:
+    with pytest.raises(InvalidCheckpoint) as caught:
+        deserialize_checkpoint(document)
+    assert str(caught.value).startswith(f"{field}:"), str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "document",
+    [b"", b"not json", b'{"sessionId":"s","version":NaN}', b'{"sessionId":"s\xff"}', b"[1]"],
+)
+def test_non_json_or_non_object_input_is_rejected_clearly(document: bytes) -> None:
+    with pytest.raises(InvalidCheckpoint, match="JSON"):
+        deserialize_checkpoint(document)
+
+
+def test_non_object_task_argument_is_rejected() -> None:
+    with pytest.raises(InvalidCheckpoint, match="must be a JSON object"):
+        checkpoint_from_wire(["sessionId", "s"])
+
+
+def test_unknown_fields_keep_their_json_types_and_order_at_every_level() -> None:
+    document = (
+        b'{"sessionId":"s","version":1,"conversationHistory":[{"role":"user","content":"c",'
+        b'"score":0.25,"tags":["a"]}],"metadata":{"totalTokens":2,"big":123456789012345678901234,'
+        b'"flag":false},"lastRunRef":"r","z":{"deep":[null,{"x":1}]},"a":"later"}'
+    )
+    cp = deserialize_checkpoint(document)
+    assert cp.extra_fields == {"z": {"deep": [None, {"x": 1}]}, "a": "later"}
+    assert list(cp.extra_fields) == ["z", "a"]
+    assert cp.metadata.extra_fields == {"big": 123456789012345678901234, "flag": False}
+    assert serialize_checkpoint(cp) == document
+
+
+def test_snake_case_keys_in_json_are_unknown_fields_not_aliases() -> None:
+    cp = deserialize_checkpoint(b'{"sessionId":"s","session_id":"other","version":1}')
+    assert cp.session_id == "s"
+    assert cp.extra_fields == {"session_id": "other"}
+
+
+def test_html_characters_and_line_separators_are_escaped_like_go() -> None:
+    cp = Checkpoint(
+        session_id="s", conversation_history=[ConversationMessage(role="u", content="<a>&\u2028")]
+    )
+    assert b'"content":"\\u003ca\\u003e\\u0026\\u2028"' in serialize_checkpoint(cp)
+    assert deserialize_checkpoint(serialize_checkpoint(cp)) == cp
+
+
+def test_naive_datetimes_given_in_python_are_taken_as_utc() -> None:
+    cp = Checkpoint(
+        session_id="s", metadata=CheckpointMetadata(start_time=datetime(2026, 1, 2, 3, 4, 5))
+    )
+    assert cp.metadata.start_time == datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
