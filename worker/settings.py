@@ -66,6 +66,9 @@ class Settings(BaseSettings):
     #: Worker pool and processes (or threads) per worker.
     pool: Literal["prefork", "solo", "threads"] = "prefork"
     concurrency: int = Field(default=2, ge=1)
+    #: On SIGTERM, seconds a worker keeps running its current tasks before it stops and
+    #: requeues every message it still holds (retries waiting for their countdown included).
+    shutdown_timeout_seconds: float = Field(default=10.0, ge=0)
     #: Allow Celery remote control (inspect, shutdown over the broker). Off: nobody with
     #: broker access can stop workers by pushing a control message.
     remote_control: bool = False

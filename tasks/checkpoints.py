@@ -1,0 +1,196 @@
+"""The checkpoint tasks: validate, call one store method, report a small JSON outcome.
+
+Task names are the message contract (see docs/protocol.md) and never change:
+
+    checkpoint.save(checkpoint: object, seq: int | None = None)
+    checkpoint.delete(session_id: str, seq: int | None = None)
+    checkpoint.refresh(session_id: str)
+    checkpoint.expire_stale()
+
+Policy lives in ``CheckpointTask.__call__`` and the helpers below, not in the task bodies:
+bad input (``store.InvalidInput``, wrong arguments) is dead-lettered at once; an unavailable
+store is retried with backoff and dead-lettered when retries run out; anything unexpected is
+dead-lettered too, so a request never disappears with only a traceback to show for it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+from celery import Celery, Task
+
+from store.base import validate_seq
+from store.errors import InvalidInput, StoreUnavailable
+from store.model import validate_session_id
+from store.serde import checkpoint_from_wire
+from tasks import runtime
+from tasks.dead_letters import Reason
+from tasks.sweep import sweep
+
+logger = logging.getLogger(__name__)
+
+SAVE = "checkpoint.save"
+DELETE = "checkpoint.delete"
+REFRESH = "checkpoint.refresh"
+EXPIRE_STALE = "checkpoint.expire_stale"
+
+Outcome = dict[str, Any]
+
+
+# -- the task bodies (plain functions: each validates and calls one store method) ---------
+
+
+def save(checkpoint: object, seq: int | None = None) -> Outcome:
+    """Apply a save unless a newer request (or a delete) already won."""
+    cp = checkpoint_from_wire(checkpoint)
+    seq = None if seq is None else validate_seq(seq)
+    result = runtime.current().store.save(cp, seq)
+    return {
+        "outcome": "applied" if result.applied else "stale",
+        "session_id": result.session_id,
+        "seq": result.seq,
+        "version": result.version,
+        "trimmed": result.trimmed,
+    }
+
+
+def delete(session_id: object, seq: int | None = None) -> Outcome:
+    """Delete a session and leave a tombstone, unless a newer save already won."""
+    sid = validate_session_id(session_id)
+    seq = None if seq is None else validate_seq(seq)
+    applied = runtime.current().store.delete(sid, seq)
+    return {"outcome": "deleted" if applied else "stale", "session_id": sid, "seq": seq}
+
+
+def refresh(session_id: object) -> Outcome:
+    """Extend a live session's lifetime without rewriting it."""
+    sid = validate_session_id(session_id)
+    refreshed = runtime.current().store.refresh(sid)
+    return {"outcome": "refreshed" if refreshed else "absent", "session_id": sid}
+
+
+def expire_stale() -> Outcome:
+    """Sweep expired sessions (under the sweep lock) and announce each on the events stream."""
+    rt = runtime.current()
+    result = sweep(
+        rt.store,
+        rt.redis,
+        rt.keys,
+        limit=rt.sweep_limit,
+        events_maxlen=rt.events_maxlen,
+    )
+    return result.as_json()
+
+
+# -- policy -------------------------------------------------------------------------------
+
+
+class OutcomeLog:
+    """Counts outcomes per process and logs a one-line summary at most every ``every`` s.
+
+    Per-request lines go to DEBUG; at INFO a busy worker says what it did once a minute.
+    """
+
+    def __init__(self, every: float = 60.0) -> None:
+        self.every = every
+        self._counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._since = time.monotonic()
+
+    def record(self, task: str, outcome: Outcome) -> None:
+        logger.debug("%s -> %s", task, outcome)
+        with self._lock:
+            self._counts[f"{task.removeprefix('checkpoint.')}:{outcome.get('outcome')}"] += 1
+            now = time.monotonic()
+            if now - self._since < self.every:
+                return
+            summary = ", ".join(f"{k}={v}" for k, v in sorted(self._counts.items()))
+            self._counts.clear()
+            elapsed, self._since = now - self._since, now
+        logger.info("last %.0fs: %s", elapsed, summary)
+
+
+outcomes = OutcomeLog()
+
+
+def _dead_letter(
+    task: Task, kind: Reason, reason: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Outcome:
+    entry = runtime.current().dead_letters.add(
+        kind,
+        reason,
+        task=task.name,
+        task_id=task.request.id,
+        args=list(args),
+        kwargs=dict(kwargs),
+        retries=task.request.retries or 0,
+    )
+    return {"outcome": "dead_lettered", "kind": kind.value, "entry": entry}
+
+
+class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
+    """Base of the checkpoint tasks: argument checks, retries and dead letters."""
+
+    #: Retries are bounded by ``RetryPolicy``, which dead-letters instead of failing.
+    max_retries = None
+    #: The message is acknowledged only after the task ran (or was dead-lettered).
+    acks_late = True
+    #: Celery's own argument check happens on the producer side; we check on receipt.
+    typing = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Outcome:
+        try:
+            inspect.signature(self.run).bind(*args, **kwargs)
+        except TypeError as exc:
+            outcome = _dead_letter(self, Reason.BAD_ARGUMENTS, str(exc), args, kwargs)
+            outcomes.record(self.name, outcome)
+            return outcome
+        try:
+            outcome = self.run(*args, **kwargs)
+        except InvalidInput as exc:
+            outcome = _dead_letter(self, Reason.INVALID_INPUT, str(exc), args, kwargs)
+        except StoreUnavailable as exc:
+            outcome = self._retry_or_dead_letter(exc, args, kwargs)
+        except Exception as exc:  # a bug or an unreadable stored value: keep the request
+            logger.exception("%s [%s] failed unexpectedly", self.name, self.request.id)
+            reason = f"{type(exc).__name__}: {exc}"
+            outcome = _dead_letter(self, Reason.FAILED, reason, args, kwargs)
+        outcomes.record(self.name, outcome)
+        return outcome
+
+    def _retry_or_dead_letter(
+        self, exc: StoreUnavailable, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Outcome:
+        policy = runtime.current().retry
+        retries = self.request.retries or 0
+        if policy.exhausted(retries):
+            reason = f"store unavailable after {retries} retries: {exc}"
+            return _dead_letter(self, Reason.RETRIES_EXHAUSTED, reason, args, kwargs)
+        countdown = policy.countdown(retries)
+        logger.warning(
+            "%s [%s]: %s; retry %d/%d in %.1fs",
+            self.name,
+            self.request.id,
+            exc,
+            retries + 1,
+            policy.max_retries,
+            countdown,
+        )
+        # Publishes a copy with an ETA and acknowledges this one; raises celery's Retry.
+        raise self.retry(exc=exc, countdown=countdown, max_retries=None)
+
+
+def register(app: Celery) -> None:
+    """Register the checkpoint tasks on ``app`` under their contract names."""
+    for name, fn in (
+        (SAVE, save),
+        (DELETE, delete),
+        (REFRESH, refresh),
+        (EXPIRE_STALE, expire_stale),
+    ):
+        app.task(name=name, base=CheckpointTask)(fn)

@@ -1,0 +1,247 @@
+"""The producer client for API servers: enqueue by task name, wait for durability, read.
+
+Light on purpose: it imports no task code and needs no result backend. It publishes by task
+name with Celery's ``send_task`` (protocol 2, JSON), stamps every save and delete with a
+``seq`` (microseconds since the epoch, strictly increasing within this process) and reads
+the store directly::
+
+    client = CheckpointClient.from_settings(settings)
+    handle = client.save(checkpoint)          # returns as soon as the broker has it
+    client.wait_durable(handle, timeout=5.0)  # read-your-writes, when the caller needs it
+    client.load(handle.session_id)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from celery import Celery
+from kombu.exceptions import OperationalError
+
+from store.base import CheckpointStore, Fence, StoreOptions
+from store.errors import InvalidInput
+from store.model import Checkpoint, validate_session_id
+from store.redis import RedisStore
+from store.serde import checkpoint_from_wire, checkpoint_to_wire, dumps_go
+from store.urls import redact_url
+from tasks.errors import BrokerUnavailable
+
+# The task names are the contract (docs/protocol.md); the client does not import the tasks.
+SAVE = "checkpoint.save"
+DELETE = "checkpoint.delete"
+REFRESH = "checkpoint.refresh"
+EXPIRE_STALE = "checkpoint.expire_stale"
+
+#: How hard a publish tries while the broker is unreachable (kombu retry policy): about
+#: three seconds in all, then BrokerUnavailable.
+PUBLISH_RETRY_POLICY: dict[str, float] = {
+    "max_retries": 5,
+    "interval_start": 0,
+    "interval_step": 0.5,
+    "interval_max": 1.0,
+}
+
+
+class ClientSettings(Protocol):
+    """What ``from_settings`` reads; ``worker.settings.Settings`` has all of it."""
+
+    broker_url: str | None
+    key_prefix: str
+    queue: str
+    max_message_bytes: int
+
+    @property
+    def resolved_store_url(self) -> str | None: ...
+
+    def store_options(self) -> StoreOptions: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Handle:
+    """A request on its way: pass it to ``wait_durable``. ``seq`` is None for refreshes."""
+
+    task_id: str
+    task: str
+    session_id: str
+    seq: int | None
+
+
+class _SeqClock:
+    """Microseconds since the epoch, strictly increasing within this process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last = 0
+
+    def next(self) -> int:
+        with self._lock:
+            # Two requests in the same microsecond (or a clock stepped back) still get
+            # distinct, increasing seqs, so a process's later request always wins.
+            self._last = max(time.time_ns() // 1000, self._last + 1)
+            return self._last
+
+
+_seq_clock = _SeqClock()
+
+
+class CheckpointClient:
+    """Enqueue checkpoint requests and read checkpoints; safe to share between threads."""
+
+    def __init__(
+        self,
+        broker_url: str,
+        store: CheckpointStore,
+        *,
+        queue: str = "checkpoints",
+        max_message_bytes: int = 8 * 1024 * 1024,
+    ) -> None:
+        """Publish to ``broker_url``'s ``queue``; read (and wait on) ``store``."""
+        self.store = store
+        self.queue = queue
+        self.max_message_bytes = max_message_bytes
+        self._display_url = redact_url(broker_url)
+        # A private app used only to publish: JSON, protocol 2, no result backend.
+        self._app = Celery("checkpointq-client", broker=broker_url, set_as_current=False)
+        self._app.conf.update(
+            task_serializer="json",
+            accept_content=["json"],
+            task_ignore_result=True,
+            result_backend=None,
+            task_default_queue=queue,
+            task_publish_retry=True,
+            task_publish_retry_policy=PUBLISH_RETRY_POLICY,
+            broker_connection_retry_on_startup=True,
+        )
+
+    @classmethod
+    def from_settings(cls, settings: ClientSettings) -> CheckpointClient:
+        """A client for the deployment ``settings`` describe (broker URL must be set).
+
+        Raises:
+            ValueError: no broker URL (resolve the embedded one first, as the CLI does).
+        """
+        if not settings.broker_url:
+            raise ValueError("no broker URL: set CHECKPOINTQ_BROKER_URL")
+        store_url = settings.resolved_store_url or settings.broker_url
+        store = RedisStore.from_url(
+            store_url, prefix=settings.key_prefix, options=settings.store_options()
+        )
+        return cls(
+            settings.broker_url,
+            store,
+            queue=settings.queue,
+            max_message_bytes=settings.max_message_bytes,
+        )
+
+    def __repr__(self) -> str:
+        return f"CheckpointClient({self._display_url}, queue={self.queue!r}, store={self.store!r})"
+
+    # -- enqueue ------------------------------------------------------------------------
+
+    def save(self, checkpoint: Checkpoint | dict[str, Any]) -> Handle:
+        """Enqueue a save stamped with a fresh ``seq``; return at once.
+
+        Raises:
+            InvalidCheckpoint: not a valid checkpoint (checked here, before publishing).
+            InvalidInput: the request would exceed ``max_message_bytes``.
+            BrokerUnavailable: the broker stayed unreachable through the publish retries.
+        """
+        cp = checkpoint if isinstance(checkpoint, Checkpoint) else checkpoint_from_wire(checkpoint)
+        wire = checkpoint_to_wire(cp)
+        size = len(dumps_go(wire))
+        if size > self.max_message_bytes:
+            raise InvalidInput(
+                f"checkpoint is {size} bytes as JSON; the limit is {self.max_message_bytes}",
+                field="checkpoint",
+            )
+        seq = _seq_clock.next()
+        task_id = self.send(SAVE, [wire], {"seq": seq})
+        return Handle(task_id, SAVE, cp.session_id, seq)
+
+    def delete(self, session_id: str) -> Handle:
+        """Enqueue a delete stamped with a fresh ``seq``; return at once."""
+        validate_session_id(session_id)
+        seq = _seq_clock.next()
+        return Handle(self.send(DELETE, [session_id], {"seq": seq}), DELETE, session_id, seq)
+
+    def refresh(self, session_id: str) -> Handle:
+        """Enqueue a TTL refresh (no rewrite); return at once."""
+        validate_session_id(session_id)
+        return Handle(self.send(REFRESH, [session_id], {}), REFRESH, session_id, None)
+
+    def sweep(self) -> str:
+        """Enqueue a sweep of expired sessions; return its task id."""
+        return self.send(EXPIRE_STALE, [], {})
+
+    def send(self, task: str, args: list[Any], kwargs: dict[str, Any]) -> str:
+        """Publish ``task(*args, **kwargs)`` by name to the queue; return the task id.
+
+        Raises:
+            BrokerUnavailable: the broker stayed unreachable through the publish retries.
+        """
+        try:
+            result = self._app.send_task(
+                task,
+                args=args,
+                kwargs=kwargs,
+                queue=self.queue,
+                retry=True,
+                retry_policy=PUBLISH_RETRY_POLICY,
+            )
+        except OperationalError as exc:
+            raise BrokerUnavailable(
+                f"could not publish {task} to {self._display_url}: {exc}"
+            ) from exc
+        return str(result.id)
+
+    # -- read-your-writes ---------------------------------------------------------------
+
+    def wait_durable(self, handle: Handle, timeout: float = 10.0, interval: float = 0.01) -> Fence:
+        """Block until the store has applied ``handle``'s request, or a newer one.
+
+        Polls the session's fence: a request with ``seq`` S is durable once ``fence.seq >= S``.
+        A request that was dead-lettered never becomes durable; this then times out.
+
+        Raises:
+            ValueError: the handle has no ``seq`` (a refresh).
+            TimeoutError: not durable within ``timeout`` seconds.
+            StoreUnavailable: the store could not be read.
+        """
+        if handle.seq is None:
+            raise ValueError(f"{handle.task} requests carry no seq to wait for")
+        deadline = time.monotonic() + timeout
+        delay = interval
+        while True:
+            fence = self.store.fence(handle.session_id)
+            if fence is not None and fence.seq >= handle.seq:
+                return fence
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"{handle.task} {handle.task_id} for session {handle.session_id!r} not "
+                    f"applied within {timeout}s"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
+
+    # -- reads --------------------------------------------------------------------------
+
+    def load(self, session_id: str) -> Checkpoint | None:
+        """The live checkpoint, read from the store (None when absent, expired or deleted)."""
+        return self.store.load(session_id)
+
+    def list(self) -> list[str]:
+        """Every live session id, read from the store."""
+        return self.store.list()
+
+    def close(self) -> None:
+        self._app.close()
+        self.store.close()
+
+    def __enter__(self) -> CheckpointClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()

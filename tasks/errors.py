@@ -1,0 +1,31 @@
+"""Errors of the task layer, under the store's one root (``store.CheckpointError``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from redis import exceptions as redis_errors
+
+from store.errors import CheckpointError, StoreUnavailable
+
+
+class BrokerUnavailable(CheckpointError):
+    """The broker could not be reached to publish a request, even after retries."""
+
+
+class NotReplayable(CheckpointError):
+    """A dead letter cannot be replayed: its task or arguments could never be decoded."""
+
+
+class NotFound(CheckpointError):
+    """No dead letter has that id (already replayed, purged or trimmed)."""
+
+
+@contextmanager
+def redis_unavailable(action: str) -> Iterator[None]:
+    """Turn any redis-py error into StoreUnavailable at the boundary (retried, then kept)."""
+    try:
+        yield
+    except redis_errors.RedisError as exc:
+        raise StoreUnavailable(f"{action}: Redis error ({type(exc).__name__}: {exc})") from exc

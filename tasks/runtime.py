@@ -1,0 +1,84 @@
+"""What the tasks run against, installed by whoever hosts them (the worker, or a test).
+
+Tasks must not import ``worker``; instead the worker calls ``configure(factory)`` when it
+builds its Celery app, and ``reset()`` in every process after a fork, so that each process
+builds its own Redis connection pool on first use (pools must never cross a fork).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from store.base import CheckpointStore
+from store.keys import KeySpace
+from tasks.dead_letters import DeadLetters
+from tasks.policy import RetryPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """The store, its Redis client, the dead letters and the policy the tasks apply."""
+
+    store: CheckpointStore
+    #: A ``redis.Redis`` on the store Redis: sweep lock, events stream, dead letters.
+    redis: Any
+    keys: KeySpace
+    dead_letters: DeadLetters
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    #: Largest accepted request (JSON arguments), bytes.
+    max_message_bytes: int = 8 * 1024 * 1024
+    #: Most sessions one sweep expires.
+    sweep_limit: int = 10_000
+    #: Entries kept in the events stream.
+    events_maxlen: int = 100_000
+
+    def close(self) -> None:
+        self.store.close()
+
+
+_lock = threading.Lock()
+_factory: Callable[[], Runtime] | None = None
+_current: Runtime | None = None
+
+
+def configure(factory: Callable[[], Runtime]) -> None:
+    """Say how to build the runtime; nothing connects until a task first needs it."""
+    global _factory, _current
+    with _lock:
+        _factory, _current = factory, None
+
+
+def install(runtime: Runtime) -> None:
+    """Use this runtime from now on (tests with an in-memory store, embedded workers)."""
+    global _current
+    with _lock:
+        _current = runtime
+
+
+def reset() -> None:
+    """Forget the current runtime without closing it (after a fork its sockets are the
+    parent's); the next ``current()`` builds a fresh one from the factory."""
+    global _current
+    with _lock:
+        _current = None
+
+
+def current() -> Runtime:
+    """The runtime, built on first use in this process.
+
+    Raises:
+        RuntimeError: nothing was configured or installed (a host forgot to set it up).
+    """
+    global _current
+    with _lock:
+        if _current is None:
+            if _factory is None:
+                raise RuntimeError(
+                    "tasks.runtime is not configured: create the worker app with "
+                    "worker.app.create_app() or call tasks.runtime.install()"
+                )
+            _current = _factory()
+        return _current

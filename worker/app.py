@@ -1,0 +1,155 @@
+"""The Celery app: every Celery setting checkpointq relies on, chosen and explained here.
+
+``celery -A worker.app worker`` finds the module-level ``app``, built on first access from
+the ``CHECKPOINTQ_*`` environment. Programs that hold their own ``Settings`` (the CLI, tests,
+benchmarks) call ``create_app(settings)`` instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Celery
+
+from store.keys import KeySpace
+from store.redis import RedisStore
+from store.urls import redact_url
+from tasks import checkpoints, runtime
+from tasks.client import PUBLISH_RETRY_POLICY
+from tasks.dead_letters import DeadLetters
+from tasks.policy import RetryPolicy
+from tasks.runtime import Runtime
+from worker import beat
+from worker import signals as _signals  # noqa: F401  # importing it connects the hooks
+from worker.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+class MissingBrokerUrl(ValueError):
+    """No broker URL: set CHECKPOINTQ_BROKER_URL or let `checkpointq up` provide one."""
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    """Map the settings onto Celery's configuration: the one place where that happens."""
+    if not settings.broker_url:
+        raise MissingBrokerUrl(
+            "CHECKPOINTQ_BROKER_URL is not set (`checkpointq up` starts an embedded Redis "
+            "and sets it for the worker and beat it runs)"
+        )
+    return {
+        "broker_url": settings.broker_url,
+        # JSON only, both ways: a pickle message would run arbitrary code in the worker.
+        # Messages in any other format are refused and dead-lettered (worker/consumer.py).
+        "accept_content": ["json"],
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "event_serializer": "json",
+        "result_accept_content": ["json"],
+        # Fire-and-forget: no result backend. Producers wait for durability on the store's
+        # fence instead (CheckpointClient.wait_durable).
+        "result_backend": None,
+        "task_ignore_result": True,
+        "task_store_errors_even_if_ignored": False,
+        # Acknowledge after the task ran, so a worker killed mid-task leaves the message to be
+        # redelivered (our writes are fenced and idempotent, so a replay is harmless) ...
+        "task_acks_late": True,
+        # ... including when the child process itself dies (OOM killer, segfault).
+        "task_reject_on_worker_lost": True,
+        # How many messages each process reserves ahead: few, so that a crash redelivers few
+        # and a busy worker does not hoard messages others could run.
+        "worker_prefetch_multiplier": settings.prefetch_multiplier,
+        "broker_transport_options": {
+            # Redis redelivers an unacknowledged message after this long. It must exceed the
+            # longest task plus the longest retry countdown (settings validate this), or a
+            # message waiting for its retry would be handed to a second worker meanwhile.
+            "visibility_timeout": settings.visibility_timeout,
+        },
+        # Producer side: retry a publish while the broker is briefly unreachable.
+        "task_publish_retry": True,
+        "task_publish_retry_policy": PUBLISH_RETRY_POLICY,
+        # A worker started before Redis keeps trying to connect instead of exiting.
+        "broker_connection_retry_on_startup": True,
+        "broker_connection_retry": True,
+        "broker_connection_max_retries": None,
+        # On losing the broker, stop tasks whose message can no longer be acknowledged:
+        # Redis will redeliver them, and running them twice at once gains nothing.
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        # Soft shutdown on SIGTERM (Celery >= 5.5): finish running tasks for up to this long,
+        # then stop and requeue every unacknowledged message at once, rather than leaving
+        # them to the visibility timeout. "On idle" makes it apply to retries waiting for
+        # their countdown (ETA messages) even when no task is running.
+        "worker_soft_shutdown_timeout": settings.shutdown_timeout_seconds,
+        "worker_enable_soft_shutdown_on_idle": settings.shutdown_timeout_seconds > 0,
+        # Remote control (inspect, shutdown, rate limits over the broker) lets anyone who can
+        # write to the broker stop the fleet: off unless asked for.
+        "worker_enable_remote_control": settings.remote_control,
+        # No monitoring events: nobody consumes them by default, and they cost a publish each.
+        "worker_send_task_events": False,
+        "task_send_sent_event": False,
+        # Every task goes to our queue; producers in other languages push to the same list.
+        "task_default_queue": settings.queue,
+        "task_create_missing_queues": True,
+        # Refused messages become dead letters instead of vanishing.
+        "worker_consumer": "worker.consumer:DeadLetteringConsumer",
+        "worker_pool": settings.pool,
+        "worker_concurrency": settings.concurrency,
+        # The store's connections are made per process (signals.py); Celery's own logging
+        # is configured by the `celery worker -l` flag, our libraries' by signals.py.
+        "worker_hijack_root_logger": True,
+        "enable_utc": True,
+        "timezone": "UTC",
+    }
+
+
+def build_runtime(settings: Settings) -> Runtime:
+    """The store, dead letters and policy the tasks run against (connects lazily)."""
+    url = settings.resolved_store_url
+    if not url:
+        raise MissingBrokerUrl("no store URL: set CHECKPOINTQ_STORE_URL or the broker URL")
+    keys = KeySpace(settings.key_prefix)
+    store = RedisStore.from_url(url, prefix=settings.key_prefix, options=settings.store_options())
+    logger.info("store %s", store)
+    return Runtime(
+        store=store,
+        redis=store.client,
+        keys=keys,
+        dead_letters=DeadLetters(store.client, keys, maxlen=settings.dead_letter_maxlen),
+        retry=RetryPolicy(
+            max_retries=settings.retry_max,
+            base_seconds=settings.retry_backoff_seconds,
+            max_seconds=settings.retry_backoff_max_seconds,
+        ),
+        max_message_bytes=settings.max_message_bytes,
+        sweep_limit=settings.sweep_limit,
+        events_maxlen=settings.events_maxlen,
+    )
+
+
+def create_app(settings: Settings | None = None) -> Celery:
+    """A Celery app configured from ``settings`` (default: the environment), tasks registered.
+
+    Also points ``tasks.runtime`` at these settings; each worker process then builds its own
+    store connections on first use (``signals.py`` resets them after every fork).
+
+    Raises:
+        MissingBrokerUrl: ``settings.broker_url`` is unset.
+    """
+    settings = settings or Settings()
+    app = Celery("checkpointq", set_as_current=False)
+    app.config_from_object(celery_config(settings))
+    app.conf.update(beat.beat_config(settings))
+    checkpoints.register(app)
+    runtime.configure(lambda: build_runtime(settings))
+    logger.debug("celery app for broker %s", redact_url(settings.broker_url or ""))
+    return app
+
+
+def __getattr__(name: str) -> Any:
+    # `celery -A worker.app` reads `worker.app.app`; building it on first access (PEP 562)
+    # lets the CLI import create_app without needing a broker URL in the environment.
+    if name == "app":
+        globals()["app"] = created = create_app()
+        return created
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,45 @@
+"""Beat: the sweep of expired sessions every ``sweep_interval_seconds``.
+
+The schedule lives in Redis (celery-redbeat) rather than in a local state file, and RedBeat
+holds a lock so that a second beat started by mistake waits instead of firing too. Should
+both fire anyway (a lock lost in a network partition), nothing is double-applied: the sweep
+takes its own short lock, and the store expires each session once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tasks.checkpoints import EXPIRE_STALE
+from worker.settings import Settings
+
+#: Name of the sweep's schedule entry.
+SWEEP_ENTRY = "checkpointq-expire-stale"
+
+
+def beat_config(settings: Settings) -> dict[str, Any]:
+    """Celery settings for beat (harmless to a worker, which ignores them)."""
+    interval = settings.sweep_interval_seconds
+    # Beat wakes up at least this often; RedBeat extends its lock on each wake-up, so the
+    # lock's lifetime is a few of these: a crashed beat is replaced within seconds.
+    tick = min(interval, 5.0)
+    return {
+        "beat_schedule": {
+            SWEEP_ENTRY: {
+                "task": EXPIRE_STALE,
+                "schedule": interval,
+                "options": {
+                    "queue": settings.queue,
+                    # A sweep still queued when the next is due is redundant: let it lapse.
+                    "expires": interval,
+                },
+            }
+        },
+        "beat_scheduler": "redbeat.RedBeatScheduler",
+        # Schedule and lock on the store Redis: the broker URL may be a kombu-only spelling
+        # (redis+socket://) that redis-py, which RedBeat uses, does not understand.
+        "redbeat_redis_url": settings.resolved_store_url,
+        "redbeat_redis_options": {},
+        "redbeat_lock_timeout": int(tick * 6),
+        "beat_max_loop_interval": tick,
+    }

@@ -1,0 +1,130 @@
+"""A Celery consumer that dead-letters what it cannot hand to a task, instead of dropping it.
+
+Stock Celery logs and discards unknown task names (``on_unknown_task``), messages without a
+task header (``on_unknown_message``), refused content types such as pickle
+(``on_invalid_task``) and bodies it cannot decode (``on_decode_error``, which has no signal).
+We override those four hooks, record a dead letter with the raw body, then let Celery discard
+the message as before. If the dead letter cannot be written (store Redis down) the message is
+left unacknowledged: Redis redelivers it after the visibility timeout, so it is not lost.
+
+Oversize bodies are refused here too, before anything decodes them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from celery.worker.consumer import Consumer
+
+from store.errors import StoreUnavailable
+from tasks import runtime
+from tasks.dead_letters import Reason
+
+logger = logging.getLogger(__name__)
+
+#: kombu's Message (kombu's hints are partial; we use body, headers, content_type, ack).
+Message = Any
+
+
+def _describe(message: Message) -> tuple[str | None, str | None]:
+    """Task name and id from protocol 2 headers, else from a protocol 1 body, if any."""
+    headers = message.headers or {}
+    if isinstance(headers, dict) and "task" in headers:
+        return headers.get("task"), headers.get("id")
+    try:
+        payload = json.loads(message.body)
+    except (TypeError, ValueError):
+        return None, None
+    if isinstance(payload, dict):
+        return payload.get("task"), payload.get("id")
+    return None, None
+
+
+def _arguments(message: Message) -> tuple[list[Any] | None, dict[str, Any] | None]:
+    """The call's args and kwargs if the body is JSON in protocol 2 or 1 shape."""
+    if message.content_type != "application/json":
+        return None, None
+    try:
+        body = json.loads(message.body)
+    except (TypeError, ValueError):
+        return None, None
+    if isinstance(body, list) and len(body) == 3:  # protocol 2: [args, kwargs, embed]
+        args, kwargs = body[0], body[1]
+    elif isinstance(body, dict):  # protocol 1
+        args, kwargs = body.get("args", []), body.get("kwargs", {})
+    else:
+        return None, None
+    if isinstance(args, list) and isinstance(kwargs, dict):
+        return args, kwargs
+    return None, None
+
+
+def _raw(message: Message) -> bytes:
+    body = message.body
+    if body is None:
+        return b""
+    return body if isinstance(body, bytes) else str(body).encode("utf-8", "surrogateescape")
+
+
+class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no type hints
+    """Celery's consumer, with every refused message recorded as a dead letter."""
+
+    def _record(self, message: Message, kind: Reason, reason: str) -> bool:
+        """Write the dead letter; False (and the message left unacked) if that failed."""
+        task, task_id = _describe(message)
+        args, kwargs = _arguments(message) if kind is Reason.UNKNOWN_TASK else (None, None)
+        headers = message.headers if isinstance(message.headers, dict) else {}
+        try:
+            runtime.current().dead_letters.add(
+                kind,
+                reason,
+                task=task,
+                task_id=task_id,
+                args=args,
+                kwargs=kwargs,
+                raw=_raw(message),
+                headers={
+                    **headers,
+                    "content-type": message.content_type,
+                    "content-encoding": message.content_encoding,
+                },
+            )
+        except StoreUnavailable:
+            logger.error("left %s [%s] unacknowledged for redelivery", task, task_id)
+            return False
+        return True
+
+    def create_task_handler(self, *args: Any, **kwargs: Any) -> Any:
+        handle = super().create_task_handler(*args, **kwargs)
+        limit = runtime.current().max_message_bytes
+
+        def on_task_received(message: Message) -> Any:
+            size = len(message.body or b"")
+            if size <= limit:
+                return handle(message)
+            reason = f"message body is {size} bytes; the limit is {limit}"
+            if self._record(message, Reason.OVERSIZE, reason):
+                message.ack_log_error(logger, self.connection_errors)
+            return None
+
+        return on_task_received
+
+    def on_unknown_message(self, body: Any, message: Message) -> None:
+        if self._record(message, Reason.UNDECODABLE, "not a task message (no task name)"):
+            super().on_unknown_message(body, message)
+
+    def on_unknown_task(self, body: Any, message: Message, exc: BaseException) -> None:
+        if self._record(message, Reason.UNKNOWN_TASK, f"no task registered as {exc}"):
+            super().on_unknown_task(body, message, exc)
+
+    def on_invalid_task(self, body: Any, message: Message, exc: BaseException) -> None:
+        reason = f"{type(exc).__name__}: {exc}"
+        if self._record(message, Reason.UNDECODABLE, reason):
+            super().on_invalid_task(body, message, exc)
+
+    def on_decode_error(self, message: Message, exc: BaseException) -> None:
+        reason = f"{type(exc).__name__}: {exc}"
+        if self._record(message, Reason.UNDECODABLE, reason):
+            super().on_decode_error(message, exc)
