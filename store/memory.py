@@ -129,6 +129,10 @@ class InMemoryStore(CheckpointStore):
             )[:limit]
             for _, session_id in stale:
                 del self._entries[session_id]
+            # Forget fences past their own lifetime, as Redis does with the fence key's TTL.
+            forgotten = [sid for sid, f in self._fences.items() if f.expires_at <= now]
+            for session_id in forgotten:
+                del self._fences[session_id]
         return [session_id for _, session_id in stale]
 
     def inject_raw(self, session_id: str, value: bytes) -> None:

@@ -360,3 +360,13 @@ def test_corrupt_value_fails_that_session_only(store_env: StoreEnv, garbage: byt
     assert sorted(store.list()) == ["bad", "good"]
     later = store.clock() + store.options.ttl_seconds + 60
     assert sorted(store.expire_stale(now=later)) == ["bad", "good"]
+
+
+def test_tombstone_is_forgotten_after_its_ttl(store_env: StoreEnv) -> None:
+    store = store_env.store(tombstone_ttl_seconds=1.0)
+    store.delete("s1", seq=50)
+    assert not store.save(make_checkpoint("s1"), seq=40).applied
+    store_env.pass_time(1.3)
+    store.expire_stale()
+    assert store.fence("s1") is None
+    assert store.save(make_checkpoint("s1"), seq=40).applied

@@ -1,0 +1,118 @@
+"""Redis-specific behaviour: connection URLs, unavailability, index hygiene, atomicity."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+
+from store import RedisStore, StoreOptions, StoreUnavailable
+from tests.support.checkpoints import make_checkpoint
+from tests.support.servers import RedisServer, free_port, wait_until
+
+
+def test_password_url_connects_and_is_never_shown() -> None:
+    server = RedisServer(password="hunter2-secret").start()
+    try:
+        store = RedisStore.from_url(server.url)
+        store.save(make_checkpoint("s1"), seq=1)
+        assert store.load("s1") is not None
+        assert "hunter2-secret" not in repr(store)
+        assert "***" in repr(store)
+    finally:
+        server.cleanup()
+
+
+def test_unix_socket_url_connects(tmp_path: Path) -> None:
+    sock = f"{tmp_path}/redis.sock"
+    server = RedisServer(extra_args=["--unixsocket", sock, "--unixsocketperm", "700"]).start()
+    try:
+        store = RedisStore.from_url(f"unix://{sock}?db=0")
+        store.save(make_checkpoint("s1"), seq=1)
+        assert store.list() == ["s1"]
+    finally:
+        server.cleanup()
+
+
+def test_unreachable_redis_raises_store_unavailable_without_the_password(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    store = RedisStore.from_url(f"redis://:pa55word@127.0.0.1:{free_port()}/0", socket_timeout=1)
+    calls: list[Callable[[], object]] = [
+        lambda: store.save(make_checkpoint("s1"), seq=1),
+        lambda: store.load("s1"),
+        lambda: store.delete("s1", seq=1),
+        lambda: store.refresh("s1"),
+        lambda: store.list(),
+        lambda: store.expire_stale(),
+        lambda: store.fence("s1"),
+    ]
+    for call in calls:
+        with pytest.raises(StoreUnavailable) as caught:
+            call()
+        assert "pa55word" not in str(caught.value)
+    assert "pa55word" not in caplog.text
+
+
+def test_store_recovers_when_redis_comes_back() -> None:
+    server = RedisServer(appendonly=True).start()
+    try:
+        store = RedisStore.from_url(server.url, socket_timeout=1)
+        store.save(make_checkpoint("s1", version=1), seq=1)
+        server.stop()
+        with pytest.raises(StoreUnavailable):
+            store.save(make_checkpoint("s1", version=2), seq=2)
+        server.start()
+        wait_until(
+            lambda: store.save(make_checkpoint("s1", version=3), seq=3).applied,
+            timeout=10,
+            message="save after restart",
+        )
+        loaded = store.load("s1")
+        assert loaded is not None and loaded.version == 3
+    finally:
+        server.cleanup()
+
+
+def test_index_keeps_no_entry_for_sessions_that_expired_on_their_own(
+    real_redis: redis.Redis,
+) -> None:
+    store = RedisStore(real_redis, options=StoreOptions(ttl_seconds=0.5))
+    for i in range(3):
+        store.save(make_checkpoint(f"s{i}"), seq=1)
+    wait_until(
+        lambda: real_redis.exists("agentorca-session:s0") == 0,
+        timeout=5,
+        message="Redis to expire the value",
+    )
+    assert store.list() == []
+    assert real_redis.zcard(store.keys.index()) == 3
+    assert sorted(store.expire_stale()) == ["s0", "s1", "s2"]
+    assert real_redis.zcard(store.keys.index()) == 0
+    assert store.refresh("s0") is False
+
+
+def test_fence_outlives_the_value_by_the_tombstone_ttl(real_redis: redis.Redis) -> None:
+    store = RedisStore(real_redis, options=StoreOptions(ttl_seconds=100, tombstone_ttl_seconds=50))
+    store.save(make_checkpoint("s1"), seq=1)
+    value_ttl = real_redis.pttl(store.keys.data("s1"))
+    fence_ttl = real_redis.pttl(store.keys.fence("s1"))
+    assert 99_000 < value_ttl <= 100_000
+    assert 149_000 < fence_ttl <= 150_000
+    store.delete("s1", seq=2)
+    assert 49_000 < real_redis.pttl(store.keys.fence("s1")) <= 50_000
+
+
+def test_refresh_moves_value_ttl_and_index_deadline_together(real_redis: redis.Redis) -> None:
+    short = RedisStore(real_redis, options=StoreOptions(ttl_seconds=100))
+    long = RedisStore(real_redis, options=StoreOptions(ttl_seconds=1000))
+    short.save(make_checkpoint("s1"), seq=1)
+    assert long.refresh("s1")
+    assert 999_000 < real_redis.pttl(long.keys.data("s1")) <= 1_000_000
+    deadline = real_redis.zscore(long.keys.index(), "s1")
+    assert deadline is not None
+    assert deadline > short.clock() * 1000 + 999_000
