@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -64,25 +63,19 @@ def stop(process: subprocess.Popen[bytes], name: str, grace_seconds: float) -> i
     """SIGTERM, then SIGKILL after ``grace_seconds``; return the exit code."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
-        try:
-            return process.wait(timeout=grace_seconds)
-        except subprocess.TimeoutExpired:
-            logger.warning(
-                "%s (pid %d) ignored SIGTERM for %.0fs; killing it",
-                name,
-                process.pid,
-                grace_seconds,
-            )
-            process.kill()
-    return process.wait()
+    return await_exit(process, name, grace_seconds)
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (and is not a zombie we could reap)."""
+def await_exit(process: subprocess.Popen[bytes], name: str, grace_seconds: float) -> int:
+    """Wait for a process already told to stop; SIGKILL it after ``grace_seconds``.
+
+    (Signalling twice would not help: a second SIGTERM turns Celery's warm shutdown cold.)
+    """
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
+        return process.wait(timeout=grace_seconds)
+    except subprocess.TimeoutExpired:
+        logger.warning(
+            "%s (pid %d) did not stop within %.0fs; killing it", name, process.pid, grace_seconds
+        )
+        process.kill()
+    return process.wait()

@@ -1,0 +1,91 @@
+"""Fixtures of the CLI tests: a clean working directory and environment per test.
+
+Settings read ``CHECKPOINTQ_*`` variables and a ``.env`` file in the working directory, so
+every test runs in its own empty directory with every inherited ``CHECKPOINTQ_*`` removed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import redis
+from click.testing import CliRunner, Result
+
+from store import RedisStore
+from tests.support.servers import RedisServer
+from worker.cli import cli
+
+#: Seconds a CLI subprocess may run before the test fails.
+COMMAND_TIMEOUT = 60
+
+
+@dataclass
+class Cli:
+    """Runs ``checkpointq`` in-process (CliRunner) or as a real process, in one directory."""
+
+    cwd: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __call__(self, *args: str, input: str | bytes | None = None) -> Result:
+        return CliRunner().invoke(cli, list(args), input=input, catch_exceptions=False)
+
+    def process_env(self) -> dict[str, str]:
+        base = {k: v for k, v in os.environ.items() if not k.startswith("CHECKPOINTQ_")}
+        return {**base, **self.env}
+
+    def run(self, *args: str, input: bytes | None = None) -> subprocess.CompletedProcess[str]:
+        """``python -m worker.cli ARGS`` as a separate process (what a user's shell runs)."""
+        return subprocess.run(
+            [sys.executable, "-m", "worker.cli", *args],
+            cwd=self.cwd,
+            env=self.process_env(),
+            input=input.decode() if input is not None else None,
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_TIMEOUT,
+            check=False,
+        )
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty working directory, with no CHECKPOINTQ_* variable inherited."""
+    for name in list(os.environ):
+        if name.startswith("CHECKPOINTQ_"):
+            monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def cli_offline(workdir: Path) -> Cli:
+    """The CLI with no broker configured at all."""
+    return Cli(workdir)
+
+
+@pytest.fixture
+def cli_env(
+    workdir: Path,
+    redis_client: redis.Redis,
+    redis_server: RedisServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Cli:
+    """The CLI pointed at the private redis-server (emptied for this test)."""
+    env = {"CHECKPOINTQ_BROKER_URL": redis_server.url}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return Cli(workdir, env)
+
+
+@pytest.fixture
+def store(redis_server: RedisServer, redis_client: redis.Redis) -> Iterator[RedisStore]:
+    """The store the CLI reads, with the default prefix, on the private server."""
+    opened = RedisStore.from_url(redis_server.url)
+    yield opened
+    opened.close()

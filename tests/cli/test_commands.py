@@ -1,0 +1,144 @@
+"""The CLI's store and queue commands against a private redis-server (Given/When/Then)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import redis
+
+from store import RedisStore
+from store.keys import KeySpace
+from tasks.dead_letters import DeadLetters, Reason
+from tests.cli.conftest import Cli
+from tests.support.checkpoints import make_checkpoint
+
+
+def test_show_prints_a_saved_checkpoint_as_text_and_as_json(
+    cli_env: Cli, store: RedisStore
+) -> None:
+    # Given a session saved in the store
+    store.save(make_checkpoint("sess-a", version=3, messages=4))
+
+    # When it is shown, for people and for scripts
+    human = cli_env("show", "sess-a")
+    as_json = cli_env("show", "sess-a", "--json")
+
+    # Then both succeed and describe the same checkpoint
+    assert human.exit_code == 0, human.output
+    assert "sess-a" in human.stdout and "version   3" in human.stdout
+    document = json.loads(as_json.stdout)
+    assert document["sessionId"] == "sess-a"
+    assert document["version"] == 3
+    assert len(document["conversationHistory"]) == 4
+
+
+def test_show_of_an_unknown_session_fails_with_one_line(cli_env: Cli) -> None:
+    result = cli_env("show", "nobody")
+
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    assert result.stderr.strip().splitlines() == ["checkpointq: error: no live session 'nobody'"]
+
+
+def test_ls_lists_every_live_session_and_pages_with_a_cursor(
+    cli_env: Cli, store: RedisStore
+) -> None:
+    # Given 30 live sessions
+    ids = {f"s-{i:02d}" for i in range(30)}
+    for session_id in ids:
+        store.save(make_checkpoint(session_id))
+
+    # When listed all at once, and page by page
+    everything = cli_env("ls", "--json")
+    paged: set[str] = set()
+    cursor: str | None = None
+    for _ in range(100):
+        args = ["ls", "--json", "--page-size", "7"] + (["--cursor", cursor] if cursor else [])
+        page = json.loads(cli_env(*args).stdout)
+        paged.update(page["sessions"])
+        cursor = page["cursor"]
+        if cursor is None:
+            break
+
+    # Then both listings hold exactly those sessions
+    assert set(json.loads(everything.stdout)["sessions"]) == ids
+    assert paged == ids
+    assert len(cli_env("ls", "--limit", "5").stdout.splitlines()) == 5
+
+
+def test_stats_counts_queue_sessions_dead_letters_and_events(
+    cli_env: Cli, store: RedisStore, redis_client: redis.Redis
+) -> None:
+    # Given 2 queued messages, 3 live sessions, 1 dead letter and 1 event
+    keys = KeySpace()
+    redis_client.lpush("checkpoints", "m1", "m2")
+    for i in range(3):
+        store.save(make_checkpoint(f"live-{i}"))
+    DeadLetters(redis_client, keys).add(
+        Reason.UNKNOWN_TASK, "no such task", task="nope", task_id="t1", args=[], kwargs={}
+    )
+    redis_client.xadd(keys.events(), {"type": "expired", "session_id": "gone"})
+
+    # When stats are asked for
+    result = cli_env("stats", "--json")
+
+    # Then each count is right
+    assert result.exit_code == 0, result.output
+    stats = json.loads(result.stdout)
+    assert stats["queue_depth"] == 2
+    assert stats["live_sessions"] == 3
+    assert stats["dead_letters"] == 1
+    assert stats["events"] == 1
+    assert "queue_depth" in cli_env("stats").stdout
+
+
+def test_sweep_expires_thousands_of_stale_sessions_in_locked_batches(
+    cli_env: Cli, redis_client: redis.Redis
+) -> None:
+    # Given 2,500 sessions whose lifetime ended an hour ago, and one live session
+    past = RedisStore(redis_client, clock=lambda: time.time() - 40 * 24 * 3600)
+    pipe_store = past
+    for i in range(2500):
+        pipe_store.save(make_checkpoint(f"old-{i}", messages=1))
+    RedisStore(redis_client).save(make_checkpoint("fresh"))
+
+    # When swept by hand
+    result = cli_env("sweep", "--json")
+
+    # Then every stale session is gone, announced once each, and the live one stays
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {"outcome": "swept", "expired": 2500}
+    assert redis_client.xlen(KeySpace().events()) == 2500
+    assert json.loads(cli_env("ls", "--json").stdout)["sessions"] == ["fresh"]
+    assert "expired 0 session(s)" in cli_env("sweep").stdout
+
+
+def test_dlq_lists_shows_and_purges_dead_letters(cli_env: Cli, redis_client: redis.Redis) -> None:
+    # Given two dead letters
+    letters = DeadLetters(redis_client, KeySpace())
+    first = letters.add(
+        Reason.INVALID_INPUT,
+        "sessionId: must not be empty",
+        task="checkpoint.save",
+        task_id="t-1",
+        args=[{"sessionId": ""}],
+        kwargs={},
+    )
+    letters.add(Reason.UNDECODABLE, "not JSON", task=None, task_id=None, raw=b"\x80garbage")
+
+    # When listed, one shown, then purged
+    listed = json.loads(cli_env("dlq", "ls", "--json").stdout)
+    shown = json.loads(cli_env("dlq", "show", first, "--json").stdout)
+    human = cli_env("dlq", "show", first).stdout
+    purged = cli_env("dlq", "purge", "--yes", "--json")
+
+    # Then each command saw them, and none is left
+    assert [entry["kind"] for entry in listed["entries"]] == ["invalid_input", "undecodable"]
+    assert shown["task"] == "checkpoint.save" and shown["args"] == [{"sessionId": ""}]
+    assert "sessionId: must not be empty" in human
+    assert json.loads(purged.stdout) == {"removed": 2}
+    assert json.loads(cli_env("dlq", "ls", "--json").stdout)["entries"] == []
+    missing = cli_env("dlq", "show", first)
+    assert missing.exit_code == 1
+    assert missing.stderr.count("\n") == 1

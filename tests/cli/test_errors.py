@@ -1,0 +1,79 @@
+"""Expected failures are one line on stderr and exit code 1; passwords are never shown."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.cli.conftest import Cli
+from tests.support.servers import free_port
+
+SECRET = "s3cr3t-hunter2"
+
+
+@pytest.fixture
+def dead_url_cli(cli_offline: Cli, monkeypatch: pytest.MonkeyPatch) -> Cli:
+    """The CLI configured with a password URL on which nothing listens."""
+    url = f"redis://:{SECRET}@127.0.0.1:{free_port()}/0"
+    monkeypatch.setenv("CHECKPOINTQ_BROKER_URL", url)
+    cli_offline.env["CHECKPOINTQ_BROKER_URL"] = url
+    return cli_offline
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["show", "s1"], ["ls"], ["stats"], ["sweep"], ["dlq", "ls"], ["dlq", "purge", "--yes"]],
+)
+def test_commands_on_a_dead_redis_fail_with_one_line_and_no_password(
+    dead_url_cli: Cli, args: list[str]
+) -> None:
+    result = dead_url_cli(*args)
+
+    assert result.exit_code == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("checkpointq: error: ")
+    assert SECRET not in result.output
+
+
+def test_a_real_process_prints_no_traceback_and_no_password(dead_url_cli: Cli) -> None:
+    completed = dead_url_cli.run("show", "s1")
+
+    assert completed.returncode == 1
+    assert completed.stdout == ""
+    assert len(completed.stderr.splitlines()) == 1, completed.stderr
+    assert "Traceback" not in completed.stderr
+    assert SECRET not in completed.stderr
+
+
+def test_without_url_or_embedded_redis_commands_say_how_to_configure(cli_offline: Cli) -> None:
+    result = cli_offline("show", "s1")
+
+    assert result.exit_code == 1
+    assert result.stderr.count("\n") == 1
+    assert "CHECKPOINTQ_BROKER_URL" in result.stderr
+    assert "checkpointq up" in result.stderr
+
+
+def test_an_invalid_setting_is_named_without_echoing_its_value(
+    cli_offline: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CHECKPOINTQ_BROKER_URL", f"redis://:{SECRET}@127.0.0.1:1/0")
+    monkeypatch.setenv("CHECKPOINTQ_CONCURRENCY", f"not-a-number-{SECRET}")
+
+    result = cli_offline("stats")
+
+    assert result.exit_code == 1
+    assert result.stderr.startswith("checkpointq: error: invalid CHECKPOINTQ_CONCURRENCY")
+    assert SECRET not in result.output
+
+
+def test_an_invalid_checkpoint_file_is_refused_before_anything_is_enqueued(
+    cli_offline: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CHECKPOINTQ_BROKER_URL", f"redis://127.0.0.1:{free_port()}/0")
+
+    result = cli_offline("save", "-", input='{"sessionId": "", "version": 1}')
+
+    assert result.exit_code == 1
+    assert result.stderr.count("\n") == 1
+    assert "sessionId" in result.stderr

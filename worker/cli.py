@@ -1,0 +1,495 @@
+"""``checkpointq``: run the system, enqueue requests, inspect the store and the dead letters.
+
+Every command reads its configuration from ``CHECKPOINTQ_*`` variables (or ``.env``); with
+no broker URL, commands use the embedded Redis that ``checkpointq up`` runs under the data
+directory. Output is for people by default and JSON with ``--json``. An expected failure
+(bad input, Redis down, nothing running) is one line on stderr and exit code 1, never a
+traceback; URLs in messages are shown with their passwords redacted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from datetime import UTC, datetime
+from typing import IO, Any, TypeVar
+
+import click
+import redis
+from kombu.exceptions import KombuError
+
+from store.errors import CheckpointError
+from store.model import Checkpoint
+from store.serde import checkpoint_from_wire, checkpoint_to_wire, loads_json
+from store.urls import redact_url
+from tasks.client import CheckpointClient, Handle
+from tasks.dead_letters import DeadLetters
+from tasks.errors import NotFound, NotReplayable
+from tasks.sweep import sweep as run_sweep
+from worker import connections
+from worker.settings import Settings
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Exit code of an expected failure (1 is also what click uses for its own usage errors: 2).
+EXIT_FAILURE = 1
+#: Sessions expired per sweep call when sweeping by hand (each call is one locked sweep).
+SWEEP_BATCH = 1000
+#: Dead letters fetched per page when replaying everything.
+DLQ_PAGE = 500
+
+_URL = re.compile(r"\b(?:rediss?|unix|redis\+socket|amqps?)://[^\s'\"]+")
+
+
+def scrub(message: str) -> str:
+    """Redact the password of every URL in ``message`` (error texts may quote URLs)."""
+    return _URL.sub(lambda match: redact_url(match.group(0)), message)
+
+
+class CliFailure(click.ClickException):
+    """An expected failure, shown as ``checkpointq: error: ...`` on one line."""
+
+    exit_code = EXIT_FAILURE
+
+    def show(self, file: IO[Any] | None = None) -> None:
+        line = " ".join(scrub(self.format_message()).split())
+        click.echo(f"checkpointq: error: {line}", err=True)
+
+
+class _Cli(click.Group):
+    """The command group: converts expected exceptions into one-line failures."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except CheckpointError as exc:
+            raise CliFailure(str(exc)) from None
+        except redis.RedisError as exc:
+            raise CliFailure(f"Redis: {type(exc).__name__}: {exc}") from None
+        except KombuError as exc:
+            raise CliFailure(f"broker: {type(exc).__name__}: {exc}") from None
+        except OSError as exc:
+            raise CliFailure(f"{type(exc).__name__}: {exc}") from None
+
+
+def _settings(*, resolve: bool = True) -> Settings:
+    settings = connections.load_settings()
+    return connections.resolve(settings) if resolve else settings
+
+
+def _emit(as_json: bool, data: Any, human: Iterable[str]) -> None:
+    if as_json:
+        click.echo(json.dumps(data, ensure_ascii=False, default=str))
+    else:
+        for line in human:
+            click.echo(line)
+
+
+def json_option(function: F) -> F:
+    return click.option(
+        "--json", "as_json", is_flag=True, help="Print JSON for scripts instead of text."
+    )(function)
+
+
+def _configure_logging(settings: Settings) -> None:
+    logging.basicConfig(
+        level=settings.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+@click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Persist AI-agent session checkpoints through Celery workers on Redis."""
+
+
+# -- running the system ---------------------------------------------------------------------
+
+
+@cli.command()
+def up() -> None:
+    """Worker and beat together (and an embedded Redis when no broker URL is set)."""
+    from worker.supervisor import Supervisor  # the embedded Redis etc. only when run
+
+    settings = _settings(resolve=False)
+    _configure_logging(settings)
+    where = (
+        redact_url(settings.broker_url)
+        if settings.broker_url
+        else f"embedded Redis under {settings.data_dir.resolve()}"
+    )
+    click.echo(f"checkpointq up: broker {where}; Ctrl-C to stop", err=True)
+    Supervisor(settings).run()
+    click.echo("checkpointq up: stopped", err=True)
+
+
+@cli.command()
+def worker() -> None:
+    """A Celery worker consuming the checkpoints queue."""
+    from worker.app import create_app  # Celery is imported only by the commands that run it
+
+    settings = _settings()
+    app = create_app(settings)
+    app.worker_main(
+        [
+            "worker",
+            "--queues",
+            settings.queue,
+            "--loglevel",
+            settings.log_level,
+            "--pool",
+            settings.pool,
+            "--concurrency",
+            str(settings.concurrency),
+        ]
+    )
+
+
+@cli.command()
+def beat() -> None:
+    """Celery beat: schedules the sweep of expired sessions."""
+    from worker.app import create_app  # Celery is imported only by the commands that run it
+
+    settings = _settings()
+    app = create_app(settings)
+    app.start(["beat", "--loglevel", settings.log_level])
+
+
+# -- enqueueing -----------------------------------------------------------------------------
+
+
+def _client(settings: Settings) -> CheckpointClient:
+    return CheckpointClient.from_settings(settings)
+
+
+def _await(client: CheckpointClient, handle: Handle, timeout: float) -> None:
+    try:
+        client.wait_durable(handle, timeout=timeout)
+    except TimeoutError as exc:
+        raise CliFailure(
+            f"{exc} (is a worker running? a refused request is in `checkpointq dlq ls`)"
+        ) from None
+
+
+def _handle_json(handle: Handle, durable: bool) -> dict[str, Any]:
+    return {
+        "task": handle.task,
+        "task_id": handle.task_id,
+        "session_id": handle.session_id,
+        "seq": handle.seq,
+        "durable": durable,
+    }
+
+
+@cli.command()
+@click.argument("source", type=click.File("rb"), metavar="FILE|-")
+@click.option("--wait", is_flag=True, help="Return only once a worker has applied it.")
+@click.option("--timeout", type=float, default=10.0, show_default=True, help="For --wait, s.")
+@json_option
+def save(source: IO[bytes], wait: bool, timeout: float, as_json: bool) -> None:
+    """Enqueue a save of the checkpoint JSON in FILE (or stdin)."""
+    # Validated here first: a bad file is reported before anything is enqueued.
+    checkpoint = checkpoint_from_wire(loads_json(source.read()))
+    with _client(_settings()) as client:
+        handle = client.save(checkpoint)
+        if wait:
+            _await(client, handle, timeout)
+    word = "saved" if wait else "enqueued save of"
+    _emit(
+        as_json,
+        _handle_json(handle, wait),
+        [f"{word} {handle.session_id!r} (task {handle.task_id}, seq {handle.seq})"],
+    )
+
+
+@cli.command()
+@click.argument("session_id")
+@click.option("--wait", is_flag=True, help="Return only once a worker has applied it.")
+@click.option("--timeout", type=float, default=10.0, show_default=True, help="For --wait, s.")
+@json_option
+def delete(session_id: str, wait: bool, timeout: float, as_json: bool) -> None:
+    """Enqueue a delete of a session (a tombstone keeps late saves from resurrecting it)."""
+    with _client(_settings()) as client:
+        handle = client.delete(session_id)
+        if wait:
+            _await(client, handle, timeout)
+    word = "deleted" if wait else "enqueued delete of"
+    _emit(
+        as_json,
+        _handle_json(handle, wait),
+        [f"{word} {handle.session_id!r} (task {handle.task_id}, seq {handle.seq})"],
+    )
+
+
+# -- reading the store ----------------------------------------------------------------------
+
+
+def _show_lines(checkpoint: Checkpoint) -> Iterator[str]:
+    meta = checkpoint.metadata
+    yield f"session   {checkpoint.session_id}"
+    yield f"version   {checkpoint.version}"
+    yield f"messages  {len(checkpoint.conversation_history)} kept, {meta.total_messages} total"
+    yield f"tokens    {meta.total_tokens}"
+    if meta.total_cost_usd:
+        yield f"cost      ${meta.total_cost_usd}"
+    if meta.last_message_time is not None:
+        yield f"last      {meta.last_message_time.isoformat()}"
+    if checkpoint.last_run_ref:
+        yield f"last run  {checkpoint.last_run_ref}"
+    for message in checkpoint.conversation_history[-5:]:
+        content = " ".join(message.content.split())
+        yield f"  {message.role}: {content[:120]}{'…' if len(content) > 120 else ''}"
+
+
+@cli.command()
+@click.argument("session_id")
+@json_option
+def show(session_id: str, as_json: bool) -> None:
+    """Print a session's checkpoint (read from the store directly)."""
+    store = connections.open_store(_settings())
+    try:
+        checkpoint = store.load(session_id)
+    finally:
+        store.close()
+    if checkpoint is None:
+        raise CliFailure(f"no live session {session_id!r}")
+    _emit(as_json, checkpoint_to_wire(checkpoint), _show_lines(checkpoint))
+
+
+@cli.command(name="ls")
+@click.option("--limit", type=click.IntRange(min=1), help="Stop after this many ids.")
+@click.option(
+    "--cursor", help="Print one page starting at this cursor (from a previous --page-size)."
+)
+@click.option(
+    "--page-size", type=click.IntRange(min=1), help="Print one page of about this many ids."
+)
+@json_option
+def list_sessions(
+    limit: int | None, cursor: str | None, page_size: int | None, as_json: bool
+) -> None:
+    """List live session ids (all of them, or one page with --page-size/--cursor)."""
+    store = connections.open_store(_settings())
+    try:
+        if page_size is not None or cursor is not None:
+            page = store.list_page(cursor, page_size or 1000)
+            ids, next_cursor = page.session_ids, page.cursor
+        else:
+            ids, next_cursor = [], None
+            for session_id in store.iter_session_ids():
+                ids.append(session_id)
+                if limit is not None and len(ids) >= limit:
+                    break
+    finally:
+        store.close()
+    human = list(ids)
+    if next_cursor is not None:
+        human.append(f"# more: checkpointq ls --cursor {next_cursor}")
+    _emit(as_json, {"sessions": ids, "cursor": next_cursor}, human)
+
+
+@cli.command()
+@json_option
+def stats(as_json: bool) -> None:
+    """Queue depth, live sessions, dead letters and events."""
+    settings = _settings()
+    keys = connections.key_space(settings)
+    broker = connections.broker_client(settings)
+    store = connections.store_client(settings)
+    try:
+        depth = int(broker.llen(settings.queue))
+        now_ms = int(time.time() * 1000)
+        pipe = store.pipeline(transaction=False)
+        pipe.zcount(keys.index(), f"({now_ms}", "+inf")
+        pipe.zcount(keys.index(), "-inf", now_ms)
+        pipe.xlen(keys.dead_letters())
+        pipe.xlen(keys.events())
+        live, stale, dead, events = (int(value) for value in pipe.execute())
+    finally:
+        broker.close()
+        store.close()
+    data = {
+        "queue": settings.queue,
+        "queue_depth": depth,
+        "live_sessions": live,
+        "stale_sessions": stale,
+        "dead_letters": dead,
+        "events": events,
+    }
+    _emit(as_json, data, (f"{name:<15} {value}" for name, value in data.items()))
+
+
+# -- housekeeping ---------------------------------------------------------------------------
+
+
+@cli.command()
+@json_option
+def sweep(as_json: bool) -> None:
+    """Expire stale sessions now (what beat does every sweep interval)."""
+    settings = _settings()
+    keys = connections.key_space(settings)
+    store = connections.open_store(settings)
+    client = connections.store_client(settings)
+    expired = 0
+    locked_out = False
+    try:
+        due = int(client.zcount(keys.index(), "-inf", int(time.time() * 1000)))
+        with click.progressbar(
+            length=due, label="sweeping", file=sys.stderr, hidden=as_json or due < SWEEP_BATCH
+        ) as bar:
+            while True:
+                result = run_sweep(
+                    store, client, keys, limit=SWEEP_BATCH, events_maxlen=settings.events_maxlen
+                )
+                expired += len(result.expired)
+                bar.update(len(result.expired))
+                if result.locked_out:
+                    locked_out = True
+                    break
+                if not result.more:
+                    break
+    finally:
+        store.close()
+        client.close()
+    outcome = "locked_out" if locked_out else "swept"
+    human = [f"expired {expired} session(s)"]
+    if locked_out:
+        human.append("another sweep holds the lock; it carries on")
+    _emit(as_json, {"outcome": outcome, "expired": expired}, human)
+
+
+# -- dead letters ---------------------------------------------------------------------------
+
+
+def _dead_letters(settings: Settings) -> DeadLetters:
+    client = connections.store_client(settings)
+    return DeadLetters(client, connections.key_space(settings), maxlen=settings.dead_letter_maxlen)
+
+
+def _when(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+@cli.group()
+def dlq() -> None:
+    """Requests the worker refused: list, show, replay, purge."""
+
+
+@dlq.command(name="ls")
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--cursor", help="Continue after this entry id (printed by the previous page).")
+@json_option
+def dlq_list(limit: int, cursor: str | None, as_json: bool) -> None:
+    """List dead letters, oldest first."""
+    letters = _dead_letters(_settings())
+    try:
+        page = letters.list(count=limit, cursor=cursor)
+    finally:
+        letters.client.close()
+    human = [
+        f"{e.id}  {_when(e.time)}  {e.kind:<17} {e.task or '-'}  {' '.join(e.reason.split())[:80]}"
+        for e in page.entries
+    ]
+    if page.cursor is not None:
+        human.append(f"# more: checkpointq dlq ls --cursor {page.cursor}")
+    data = {"entries": [e.as_json() for e in page.entries], "cursor": page.cursor}
+    _emit(as_json, data, human)
+
+
+@dlq.command(name="show")
+@click.argument("entry_id")
+@json_option
+def dlq_show(entry_id: str, as_json: bool) -> None:
+    """Print one dead letter with its raw payload."""
+    letters = _dead_letters(_settings())
+    try:
+        letter = letters.get(entry_id)
+    finally:
+        letters.client.close()
+    if letter is None:
+        raise CliFailure(f"no dead letter {entry_id!r}")
+    data = letter.as_json()
+    human = [f"{name:<10} {data[name]}" for name in data if name != "raw"]
+    human.append(f"raw        {data['raw'][:2000]}")
+    _emit(as_json, data, human)
+
+
+@dlq.command(name="replay")
+@click.argument("entry_ids", nargs=-1)
+@click.option("--all", "replay_all", is_flag=True, help="Replay every replayable entry.")
+@json_option
+def dlq_replay(entry_ids: tuple[str, ...], replay_all: bool, as_json: bool) -> None:
+    """Enqueue dead letters again (by id, or --all), removing each once it is enqueued."""
+    if bool(entry_ids) == replay_all:
+        raise click.UsageError("give entry ids or --all (not both)")
+    settings = _settings()
+    letters = _dead_letters(settings)
+    sender = _client(settings)
+    replayed: list[dict[str, str]] = []
+    skipped: list[dict[str, str]] = []
+    try:
+        ids = list(entry_ids) if entry_ids else list(_all_dead_letter_ids(letters))
+        with click.progressbar(
+            ids, label="replaying", file=sys.stderr, hidden=as_json or len(ids) < 100
+        ) as bar:
+            for entry_id in bar:
+                outcome = _replay_one(letters, sender, entry_id, strict=not replay_all)
+                (replayed if "task_id" in outcome else skipped).append(outcome)
+    finally:
+        letters.client.close()
+        sender.close()
+    human = [f"replayed {len(replayed)} dead letter(s)"]
+    human += [f"skipped {s['id']}: {s['reason']}" for s in skipped]
+    _emit(as_json, {"replayed": replayed, "skipped": skipped}, human)
+
+
+def _all_dead_letter_ids(letters: DeadLetters) -> Iterator[str]:
+    cursor: str | None = None
+    while True:
+        page = letters.list(count=DLQ_PAGE, cursor=cursor)
+        for entry in page.entries:
+            if entry.replayable:
+                yield entry.id
+        if page.cursor is None:
+            return
+        cursor = page.cursor
+
+
+def _replay_one(
+    letters: DeadLetters, sender: Any, entry_id: str, *, strict: bool
+) -> dict[str, str]:
+    try:
+        return {"id": entry_id, "task_id": letters.replay(entry_id, sender)}
+    except (NotFound, NotReplayable) as exc:
+        if strict:
+            raise
+        return {"id": entry_id, "reason": str(exc)}
+
+
+@dlq.command(name="purge")
+@click.confirmation_option(prompt="Remove every dead letter?")
+@json_option
+def dlq_purge(as_json: bool) -> None:
+    """Remove every dead letter."""
+    letters = _dead_letters(_settings())
+    try:
+        removed = letters.purge()
+    finally:
+        letters.client.close()
+    _emit(as_json, {"removed": removed}, [f"removed {removed} dead letter(s)"])
+
+
+def main() -> None:
+    """The console script's entry point."""
+    cli(prog_name="checkpointq")
+
+
+if __name__ == "__main__":  # `python -m worker.cli`, how `up` starts its children
+    main()

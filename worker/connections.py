@@ -1,0 +1,120 @@
+"""Where the running system is: the configured URLs, or the embedded Redis of the data dir.
+
+Every CLI command but ``up`` starts here: ``resolve()`` returns the settings with both URLs
+filled in, so that nothing downstream needs to know whether Redis is embedded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+from pydantic import ValidationError
+
+from store.errors import CheckpointError
+from store.keys import KeySpace
+from store.redis import RedisStore
+from worker.embedded import EmbeddedRedis
+from worker.settings import Settings
+
+#: Seconds a CLI command waits for Redis to connect or answer before reporting it down.
+CLI_SOCKET_TIMEOUT = 5.0
+
+
+class NotConfigured(CheckpointError):
+    """No broker URL is set and no embedded Redis runs under the data directory."""
+
+
+class InvalidSettings(CheckpointError):
+    """A CHECKPOINTQ_ variable holds a value the settings refuse."""
+
+
+def load_settings() -> Settings:
+    """Read the settings, turning a validation failure into one line without the values.
+
+    Raises:
+        InvalidSettings: the first refused variable and why (its value is not echoed: it
+            may be a URL with a password).
+    """
+    try:
+        return Settings()
+    except ValidationError as exc:
+        first = exc.errors(include_url=False, include_input=False)[0]
+        name = "_".join(str(part) for part in first["loc"]).upper()
+        where = f"CHECKPOINTQ_{name}" if name else "settings"
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise InvalidSettings(f"invalid {where}: {first['msg']}{more}") from None
+
+
+def with_embedded(settings: Settings, embedded: EmbeddedRedis) -> Settings:
+    """``settings`` pointed at an embedded server (the store URL only if it was unset)."""
+    endpoint = embedded.endpoint
+    return settings.model_copy(
+        update={
+            "broker_url": endpoint.broker_url,
+            "store_url": settings.store_url or endpoint.store_url,
+        }
+    )
+
+
+def resolve(settings: Settings) -> Settings:
+    """The settings with a broker URL: the configured one, else the embedded server's.
+
+    Raises:
+        NotConfigured: no URL and no ``checkpointq up`` running under ``data_dir``.
+    """
+    if settings.broker_url is not None:
+        return settings
+    embedded = EmbeddedRedis(settings.data_dir)
+    if embedded.running() is None:
+        raise NotConfigured(
+            "no broker configured: set CHECKPOINTQ_BROKER_URL, or start `checkpointq up` "
+            f"in this directory (no embedded Redis is running under {embedded.data_dir})"
+        )
+    return with_embedded(settings, embedded)
+
+
+def redis_py_url(url: str) -> str:
+    """The same server as redis-py spells it (kombu's ``redis+socket://`` is ``unix://``)."""
+    for prefix in ("redis+socket://", "socket://"):
+        if url.startswith(prefix):
+            return "unix://" + url.removeprefix(prefix)
+    return url
+
+
+def _required(url: str | None) -> str:
+    if url is None:
+        raise NotConfigured("no broker configured (call resolve() first)")
+    return url
+
+
+def broker_client(settings: Settings) -> Any:
+    """A ``redis.Redis`` on the broker (queue depth)."""
+    return redis.Redis.from_url(
+        redis_py_url(_required(settings.broker_url)),
+        socket_timeout=CLI_SOCKET_TIMEOUT,
+        socket_connect_timeout=CLI_SOCKET_TIMEOUT,
+    )
+
+
+def store_client(settings: Settings) -> Any:
+    """A ``redis.Redis`` on the store Redis (sweep lock, events, dead letters)."""
+    return redis.Redis.from_url(
+        redis_py_url(_required(settings.resolved_store_url)),
+        socket_timeout=CLI_SOCKET_TIMEOUT,
+        socket_connect_timeout=CLI_SOCKET_TIMEOUT,
+    )
+
+
+def open_store(settings: Settings) -> RedisStore:
+    """The checkpoint store the workers write, for reading it directly."""
+    return RedisStore.from_url(
+        redis_py_url(_required(settings.resolved_store_url)),
+        prefix=settings.key_prefix,
+        options=settings.store_options(),
+        socket_timeout=CLI_SOCKET_TIMEOUT,
+    )
+
+
+def key_space(settings: Settings) -> KeySpace:
+    return KeySpace(settings.key_prefix)

@@ -1,0 +1,109 @@
+"""``checkpointq up``: embedded Redis if needed, a worker and beat, stopped in the right order.
+
+Shutdown order matters: the worker must still reach Redis while it finishes (or requeues)
+what it holds, so on Ctrl-C or SIGTERM the children are stopped first, all at once, and the
+embedded Redis last; it then flushes its AOF before exiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from contextlib import ExitStack
+from dataclasses import dataclass
+from types import FrameType
+
+from store.errors import CheckpointError
+from worker.connections import with_embedded
+from worker.embedded import EmbeddedRedis
+from worker.processes import await_exit, spawn
+from worker.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a child may take to stop after SIGTERM before it is killed. The worker's warm
+#: shutdown finishes its running tasks (each a single store call) well within this; the
+#: compose file's ``stop_grace_period`` is longer still.
+CHILD_GRACE_SECONDS = 60.0
+#: How often the supervisor checks that its children are alive, in seconds.
+WATCH_INTERVAL = 0.2
+
+ROLES = ("worker", "beat")
+
+
+class ChildFailed(CheckpointError):
+    """A worker or beat started by ``up`` exited on its own."""
+
+
+@dataclass
+class Supervisor:
+    """Runs the whole system in the foreground until a signal or a child's death."""
+
+    settings: Settings
+    grace_seconds: float = CHILD_GRACE_SECONDS
+
+    def run(self) -> None:
+        """Block until SIGINT/SIGTERM (clean stop) or a child exits (raises ChildFailed)."""
+        stop_requested = threading.Event()
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            logger.info("received %s: stopping", signal.Signals(signum).name)
+            stop_requested.set()
+
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            with ExitStack() as stack:
+                settings = self.settings
+                if settings.broker_url is None:
+                    embedded = EmbeddedRedis(settings.data_dir)
+                    stack.enter_context(embedded.serving())
+                    settings = with_embedded(settings, embedded)
+                    logger.info("embedded Redis pid %s on %s", embedded.pid, embedded.socket)
+                if stop_requested.is_set():
+                    return
+                children = self._start_children(settings)
+                stack.callback(self._stop_children, children)
+                failed = _watch(children, stop_requested)
+                if failed is not None:
+                    role, code = failed
+                    raise ChildFailed(f"{role} exited unexpectedly with code {code}; stopped")
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _start_children(self, settings: Settings) -> dict[str, subprocess.Popen[bytes]]:
+        env = dict(os.environ)
+        if settings.broker_url is not None:
+            env["CHECKPOINTQ_BROKER_URL"] = settings.broker_url
+        if settings.store_url is not None:
+            env["CHECKPOINTQ_STORE_URL"] = settings.store_url
+        children: dict[str, subprocess.Popen[bytes]] = {}
+        for role in ROLES:
+            children[role] = spawn([sys.executable, "-m", "worker.cli", role], env=env)
+            logger.info("%s started (pid %d)", role, children[role].pid)
+        return children
+
+    def _stop_children(self, children: dict[str, subprocess.Popen[bytes]]) -> None:
+        # Signal everyone first, then wait: the children stop in parallel.
+        for process in children.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for role, process in children.items():
+            code = await_exit(process, role, self.grace_seconds)
+            logger.info("%s stopped (exit code %s)", role, code)
+
+
+def _watch(
+    children: dict[str, subprocess.Popen[bytes]], stop_requested: threading.Event
+) -> tuple[str, int] | None:
+    """Wait for a stop request (None) or the first child to exit (its role and code)."""
+    while not stop_requested.wait(WATCH_INTERVAL):
+        for role, process in children.items():
+            code = process.poll()
+            if code is not None:
+                return role, code
+    return None
