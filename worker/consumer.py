@@ -3,9 +3,10 @@
 Stock Celery logs and discards unknown task names (``on_unknown_task``), messages without a
 task header (``on_unknown_message``), refused content types such as pickle
 (``on_invalid_task``) and bodies it cannot decode (``on_decode_error``, which has no signal).
-We override those four hooks, record a dead letter with the raw body, then let Celery discard
-the message as before. If the dead letter cannot be written (store Redis down) the message is
-left unacknowledged: Redis redelivers it after the visibility timeout, so it is not lost.
+We override those four hooks: record a dead letter with the raw body, then discard the
+message as Celery would (and send its ``task_rejected``/``task_unknown`` signals). If the
+dead letter cannot be written (store Redis down) the message is left unacknowledged: Redis
+redelivers it after the visibility timeout, so it is not lost.
 
 Oversize bodies are refused here too, before anything decodes them.
 """
@@ -16,6 +17,7 @@ import json
 import logging
 from typing import Any
 
+from celery import signals
 from celery.worker.consumer import Consumer
 
 from store.errors import StoreUnavailable
@@ -111,20 +113,29 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no 
 
         return on_task_received
 
+    # Stock Celery logs each of these at ERROR or CRITICAL with the whole body and a
+    # traceback, then discards the message. Ours logs one WARNING line (DeadLetters.add) and
+    # discards it only once the dead letter is safely written; the signals still fire.
+
+    def _discard(self, message: Message) -> None:
+        message.reject_log_error(logger, self.connection_errors)
+
     def on_unknown_message(self, body: Any, message: Message) -> None:
         if self._record(message, Reason.UNDECODABLE, "not a task message (no task name)"):
-            super().on_unknown_message(body, message)
+            self._discard(message)
+            signals.task_rejected.send(sender=self, message=message, exc=None)
 
     def on_unknown_task(self, body: Any, message: Message, exc: BaseException) -> None:
         if self._record(message, Reason.UNKNOWN_TASK, f"no task registered as {exc}"):
-            super().on_unknown_task(body, message, exc)
+            self._discard(message)
+            task, task_id = _describe(message)
+            signals.task_unknown.send(sender=self, message=message, exc=exc, name=task, id=task_id)
 
     def on_invalid_task(self, body: Any, message: Message, exc: BaseException) -> None:
-        reason = f"{type(exc).__name__}: {exc}"
-        if self._record(message, Reason.UNDECODABLE, reason):
-            super().on_invalid_task(body, message, exc)
+        if self._record(message, Reason.UNDECODABLE, f"{type(exc).__name__}: {exc}"):
+            self._discard(message)
+            signals.task_rejected.send(sender=self, message=message, exc=exc)
 
     def on_decode_error(self, message: Message, exc: BaseException) -> None:
-        reason = f"{type(exc).__name__}: {exc}"
-        if self._record(message, Reason.UNDECODABLE, reason):
-            super().on_decode_error(message, exc)
+        if self._record(message, Reason.UNDECODABLE, f"{type(exc).__name__}: {exc}"):
+            self._discard(message)

@@ -1,0 +1,108 @@
+"""A real Celery worker on a private broker Redis, applying to a second private store Redis.
+
+One worker serves a whole test module (starting one costs seconds); tests keep apart by
+using their own session ids, and the store server is emptied before each test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import redis
+
+from store.keys import KeySpace
+from tasks.client import CheckpointClient
+from tasks.dead_letters import DeadLetters
+from tests.support.servers import RedisServer, wait_until
+from tests.worker.celery_processes import CeleryProcess, checkpointq_env
+from worker.settings import Settings
+
+QUEUE = "checkpoints"
+
+#: Worker settings for the end-to-end tests: quick retries, a small message limit.
+WORKER_SETTINGS: dict[str, object] = {
+    "queue": QUEUE,
+    "concurrency": 2,
+    "pool": "prefork",
+    "retry_max": 40,
+    "retry_backoff_seconds": 0.1,
+    "retry_backoff_max_seconds": 0.5,
+    "max_message_bytes": 64 * 1024,
+    "shutdown_timeout_seconds": 2,
+}
+
+
+@dataclass
+class Deployment:
+    """The broker and store servers, a running worker, and clients of each."""
+
+    broker: RedisServer
+    store: RedisServer
+    worker: CeleryProcess
+    settings: Settings
+
+    def broker_client(self) -> redis.Redis:
+        return self.broker.client()
+
+    def store_client(self) -> redis.Redis:
+        return self.store.client()
+
+    def checkpoint_client(self) -> CheckpointClient:
+        return CheckpointClient.from_settings(self.settings)
+
+    def dead_letters(self) -> DeadLetters:
+        return DeadLetters(self.store_client(), KeySpace(self.settings.key_prefix))
+
+    def wait_drained(self, timeout: float = 20.0) -> None:
+        """Until the queue is empty and no message is held unacknowledged by the worker."""
+        client = self.broker_client()
+        try:
+            wait_until(
+                lambda: client.llen(QUEUE) == 0 and client.hlen("unacked") == 0,
+                timeout=timeout,
+                message="the worker to drain the queue",
+            )
+        finally:
+            client.close()
+
+
+@pytest.fixture(scope="module")
+def broker_server() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture(scope="module")
+def store_server() -> Iterator[RedisServer]:
+    """The store Redis, apart from the broker so that it can go down on its own."""
+    server = RedisServer().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture(scope="module")
+def deployment(broker_server: RedisServer, store_server: RedisServer) -> Iterator[Deployment]:
+    values = {**WORKER_SETTINGS, "broker_url": broker_server.url, "store_url": store_server.url}
+    worker = CeleryProcess("worker", checkpointq_env(**values)).start()
+    try:
+        yield Deployment(broker_server, store_server, worker, Settings(**values))  # type: ignore[arg-type]
+    finally:
+        code = worker.stop()
+        print(f"--- worker log (exit {code}) ---\n{worker.log()}")
+
+
+@pytest.fixture
+def live(deployment: Deployment) -> Iterator[Deployment]:
+    """The deployment with an empty store. The worker's log lines written during the test
+    are printed after it: pytest shows them when the test fails."""
+    if deployment.store.process is None:
+        deployment.store.start()
+    client = deployment.store_client()
+    client.flushall()
+    client.close()
+    mark = len(deployment.worker.log())
+    yield deployment
+    print(f"--- worker log during the test ---\n{deployment.worker.log()[mark:]}")

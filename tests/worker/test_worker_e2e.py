@@ -1,0 +1,196 @@
+"""End to end: producers enqueue, a real Celery worker applies to a real store Redis."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import pytest
+
+from store.serde import checkpoint_to_wire
+from tasks.client import DELETE, SAVE
+from tasks.dead_letters import Reason
+from tasks.errors import NotReplayable
+from tests.support.checkpoints import make_checkpoint
+from tests.support.servers import wait_until
+from tests.worker.conftest import QUEUE, Deployment
+from tests.worker.envelopes import protocol1, protocol2
+
+pytestmark = pytest.mark.integration
+
+
+def wire(session_id: str, version: int = 1, **kw: Any) -> dict[str, Any]:
+    return checkpoint_to_wire(make_checkpoint(session_id, version=version, **kw))
+
+
+def test_save_through_the_client_is_applied_and_readable(live: Deployment) -> None:
+    # Given a client of the deployment
+    with live.checkpoint_client() as client:
+        # When it saves a checkpoint
+        handle = client.save(make_checkpoint("client-save", version=7))
+        # Then the request becomes durable and the store returns the checkpoint
+        fence = client.wait_durable(handle, timeout=15)
+        assert handle.seq is not None and fence.seq >= handle.seq and not fence.deleted
+        loaded = client.load("client-save")
+        assert loaded is not None and loaded.version == 7
+        assert client.list() == ["client-save"]
+
+
+def test_raw_lpush_protocol2_envelope_is_applied(live: Deployment) -> None:
+    # Given a producer with no Celery library: it LPUSHes the documented JSON envelope
+    broker = live.broker_client()
+    broker.lpush(QUEUE, protocol2(SAVE, [wire("raw-v2", version=3)], {"seq": 1_000}))
+    # Then the worker applies it
+    with live.checkpoint_client() as client:
+        wait_until(lambda: client.load("raw-v2") is not None, timeout=15, message="raw save")
+        loaded = client.load("raw-v2")
+        assert loaded is not None and loaded.version == 3
+        fence = client.store.fence("raw-v2")
+        assert fence is not None and fence.seq == 1_000
+
+
+def test_raw_lpush_protocol1_message_is_applied(live: Deployment) -> None:
+    # Given a session saved through the client
+    with live.checkpoint_client() as client:
+        client.wait_durable(client.save(make_checkpoint("raw-v1")), timeout=15)
+        # When a protocol 1 producer (task name in the body) deletes it with a newer seq
+        newer = client.store.fence("raw-v1").seq + 1  # type: ignore[union-attr]
+        live.broker_client().lpush(QUEUE, protocol1(DELETE, ["raw-v1"], {"seq": newer}))
+        # Then the delete is applied
+        wait_until(lambda: client.load("raw-v1") is None, timeout=15, message="raw delete")
+        fence = client.store.fence("raw-v1")
+        assert fence is not None and fence.deleted and fence.seq == newer
+
+
+def test_duplicate_and_out_of_order_saves_end_at_the_newest(live: Deployment) -> None:
+    # Given saves of one session delivered newest first, then older ones, then duplicates
+    with live.checkpoint_client() as client:
+        session = "out-of-order"
+        for version in (5, 1, 3, 2, 4, 5, 1, 5):
+            client.send(SAVE, [wire(session, version=version)], {"seq": 1_000 + version})
+        live.wait_drained()
+        # Then the newest one is stored, whatever the order they were applied in
+        loaded = client.load(session)
+        assert loaded is not None and loaded.version == 5
+        assert client.store.fence(session).seq == 1_005  # type: ignore[union-attr]
+
+
+def test_late_save_does_not_resurrect_deleted_session(live: Deployment) -> None:
+    with live.checkpoint_client() as client:
+        session = "deleted-then-late-save"
+        # Given a save, then a delete of the session
+        client.send(SAVE, [wire(session, version=1)], {"seq": 10})
+        client.send(DELETE, [session], {"seq": 20})
+        live.wait_drained()
+        # When a save made before the delete arrives late (and is even redelivered)
+        client.send(SAVE, [wire(session, version=2)], {"seq": 15})
+        client.send(SAVE, [wire(session, version=2)], {"seq": 15})
+        live.wait_drained()
+        # Then the session stays deleted
+        assert client.load(session) is None
+        fence = client.store.fence(session)
+        assert fence is not None and fence.deleted and fence.seq == 20
+
+
+def test_each_kind_of_poison_message_is_dead_lettered_and_the_worker_carries_on(
+    live: Deployment,
+) -> None:
+    broker = live.broker_client()
+    with live.checkpoint_client() as client:
+        # Given one poison message of each kind
+        client.send(SAVE, [{"sessionId": "", "version": 1}], {})  # invalid checkpoint
+        client.send(SAVE, [wire("bad-seq")], {"seq": "yesterday"})  # wrong argument type
+        client.send(SAVE, [], {})  # wrong argument count
+        client.send(DELETE, ["a", 1, 2], {})  # too many arguments
+        client.send(SAVE, [wire("huge", content_size=100_000)], {})  # over max_message_bytes
+        client.send("checkpoint.frobnicate", ["x"], {})  # unknown task name
+        broker.lpush(QUEUE, protocol2(SAVE, [], body=b"{not json"))  # undecodable body
+        broker.lpush(  # a serializer the worker refuses (pickle runs code when loaded)
+            QUEUE,
+            protocol2(
+                SAVE,
+                [],
+                body=pickle.dumps(([], {}, {})),
+                content_type="application/x-python-serialize",
+            ),
+        )
+        broker.lpush(QUEUE, protocol1(None, ["x"]))  # no task name anywhere
+        # When a good request follows them
+        handle = client.save(make_checkpoint("after-the-poison"))
+        # Then the good one is applied ...
+        client.wait_durable(handle, timeout=20)
+        live.wait_drained()
+        # ... and every poison message is in the dead-letter store, with its reason
+        letters = live.dead_letters().list(count=100).entries
+        kinds = sorted(letter.kind for letter in letters)
+        assert kinds == sorted(
+            [
+                "invalid_input",
+                "invalid_input",
+                "bad_arguments",
+                "bad_arguments",
+                "oversize",
+                "unknown_task",
+                "undecodable",
+                "undecodable",
+                "undecodable",
+            ]
+        ), [(letter.kind, letter.reason) for letter in letters]
+        unknown = next(letter for letter in letters if letter.kind == "unknown_task")
+        assert unknown.task == "checkpoint.frobnicate" and unknown.args == ["x"]
+        assert unknown.task_id and unknown.time > 0 and unknown.raw
+        oversize = next(letter for letter in letters if letter.kind == "oversize")
+        assert oversize.task == SAVE and oversize.raw_bytes > 64 * 1024
+
+
+def test_replaying_a_dead_letter_applies_the_original_request(live: Deployment) -> None:
+    with live.checkpoint_client() as client:
+        letters = live.dead_letters()
+        # Given a save that was dead-lettered (as when the store stayed down too long)
+        entry = letters.add(
+            Reason.RETRIES_EXHAUSTED,
+            "store unavailable after 8 retries",
+            task=SAVE,
+            task_id="t-1",
+            args=[wire("replayed", version=9)],
+            kwargs={"seq": 77},
+        )
+        # And an undecodable message, which has nothing to replay
+        live.broker_client().lpush(QUEUE, protocol2(SAVE, [], body=b"\xff\xfe"))
+        wait_until(lambda: letters.count() == 2, timeout=15, message="the undecodable letter")
+        # When the save is replayed
+        letters.replay(entry, client)
+        # Then it is applied and its entry removed
+        wait_until(lambda: client.load("replayed") is not None, timeout=15, message="replay")
+        assert letters.get(entry) is None
+        # And the undecodable one refuses to replay and stays for a person to look at
+        (undecodable,) = letters.list().entries
+        with pytest.raises(NotReplayable):
+            letters.replay(undecodable.id, client)
+        assert letters.count() == 1
+
+
+def test_saves_sent_while_the_store_is_down_are_applied_once_it_is_back(
+    live: Deployment,
+) -> None:
+    with live.checkpoint_client() as client:
+        # Given the store Redis goes down (the broker stays up)
+        mark = len(live.worker.log())
+        live.store.stop()
+        try:
+            # When saves arrive meanwhile
+            handles = [client.save(make_checkpoint(f"outage-{i}", version=i)) for i in range(5)]
+            # and the worker has been retrying them for a while
+            wait_until(
+                lambda: live.worker.log()[mark:].count("retry") >= 10,
+                timeout=20,
+                message="the worker to retry",
+            )
+        finally:
+            # Then, once the store is back
+            live.store.start()
+        for handle in handles:
+            client.wait_durable(handle, timeout=30)
+        # every save is applied, and none was dead-lettered
+        assert sorted(client.list()) == [f"outage-{i}" for i in range(5)]
+        assert live.dead_letters().count() == 0
