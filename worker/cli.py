@@ -137,19 +137,18 @@ def worker() -> None:
 
     settings = _settings()
     app = create_app(settings)
-    app.worker_main(
-        [
-            "worker",
-            "--queues",
-            settings.queue,
-            "--loglevel",
-            settings.log_level,
-            "--pool",
-            settings.pool,
-            "--concurrency",
-            str(settings.concurrency),
-        ]
-    )
+    argv = [
+        "worker",
+        "--queues", settings.queue,
+        "--loglevel", settings.log_level,
+        "--pool", settings.pool,
+        "--concurrency", str(settings.concurrency),
+    ]  # fmt: skip
+    if not settings.remote_control:
+        # Mingle and gossip talk over the same broadcast channel as remote control; without
+        # it they only cost a second at start-up and a message per worker event.
+        argv += ["--without-mingle", "--without-gossip"]
+    app.worker_main(argv)
 
 
 @cli.command()

@@ -1,0 +1,133 @@
+"""The embedded Redis: unix socket only, AOF, one owner per data dir, nothing left behind."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.support.servers import wait_until
+from worker.embedded import EmbeddedRedis, EmbeddedRedisError, pid_of
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting to be reaped counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.fixture
+def embedded(tmp_path: Path) -> EmbeddedRedis:
+    return EmbeddedRedis(tmp_path / "data")
+
+
+def test_it_serves_a_unix_socket_only_with_aof_and_noeviction(embedded: EmbeddedRedis) -> None:
+    with embedded.serving() as endpoint:
+        client = redis.Redis.from_url(endpoint.store_url, decode_responses=True)
+        config = client.config_get("*")
+        client.close()
+
+    assert config["port"] == "0"
+    assert config["appendonly"] == "yes"
+    assert config["appendfsync"] == "everysec"
+    assert config["maxmemory-policy"] == "noeviction"
+    assert endpoint.broker_url == f"redis+socket://{embedded.socket}"
+
+
+def test_stopping_removes_the_socket_and_the_data_survives_a_restart(
+    embedded: EmbeddedRedis,
+) -> None:
+    # Given a key written to a running server
+    with embedded.serving() as endpoint:
+        server_pid = embedded.pid
+        assert server_pid is not None
+        client = redis.Redis.from_url(endpoint.store_url)
+        client.set("kept", "yes")
+        client.close()
+
+    # Then stopping leaves no process and no socket behind
+    assert not alive(server_pid)
+    assert not embedded.socket.exists()
+
+    # And the AOF brings the key back on the next start
+    with embedded.serving() as endpoint:
+        client = redis.Redis.from_url(endpoint.store_url)
+        assert client.get("kept") == b"yes"
+        client.close()
+
+
+def test_other_processes_find_the_server_only_while_its_owner_runs(
+    embedded: EmbeddedRedis,
+) -> None:
+    other = EmbeddedRedis(embedded.data_dir)
+    assert other.running() is None
+    with embedded.serving() as endpoint:
+        assert other.running() == endpoint
+    assert other.running() is None
+
+
+def test_a_second_owner_of_the_same_data_dir_is_refused(embedded: EmbeddedRedis) -> None:
+    with embedded.serving():
+        with pytest.raises(EmbeddedRedisError, match="already running"):
+            EmbeddedRedis(embedded.data_dir).start()
+        # ... and its failed attempt did not disturb the owner's socket
+        assert embedded.socket.exists()
+
+
+def test_a_stale_socket_and_pid_file_from_a_killed_run_are_cleared(
+    embedded: EmbeddedRedis,
+) -> None:
+    # Given a socket file nobody listens on and a pid file, as a killed run leaves them
+    embedded.data_dir.mkdir(parents=True)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(embedded.socket))
+    stale.close()
+    embedded.pidfile.write_text("999999\n")
+
+    # When started, it serves anyway
+    with embedded.serving() as endpoint:
+        client = redis.Redis.from_url(endpoint.store_url)
+        assert client.ping()
+        client.close()
+        assert pid_of(embedded.data_dir) == embedded.pid
+
+
+def test_killing_the_owner_takes_its_redis_down(embedded: EmbeddedRedis) -> None:
+    # Given an owner process holding a started server
+    owner = subprocess.Popen(
+        [
+            sys.executable, "-c",
+            "import signal, sys; from pathlib import Path; "
+            "from worker.embedded import EmbeddedRedis; "
+            f"e = EmbeddedRedis(Path({str(embedded.data_dir)!r})); e.start(); "
+            "print(e.pid, flush=True); signal.pause()",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert owner.stdout is not None
+    server_pid = int(owner.stdout.readline())
+
+    # When the owner dies without any chance to clean up
+    owner.send_signal(signal.SIGKILL)
+    owner.wait(timeout=10)
+    owner.stdout.close()
+
+    # Then its redis-server follows it, and the next owner starts cleanly
+    wait_until(lambda: not alive(server_pid), timeout=15, message="orphaned redis-server exit")
+    with embedded.serving():
+        pass
+
+
+def test_a_data_dir_too_deep_for_a_unix_socket_is_refused_with_advice(tmp_path: Path) -> None:
+    deep = EmbeddedRedis(tmp_path / ("d" * 120))
+    with pytest.raises(EmbeddedRedisError, match="CHECKPOINTQ_DATA_DIR"):
+        deep.start()

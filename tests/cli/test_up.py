@@ -1,0 +1,123 @@
+"""Acceptance: `checkpointq up` from a clean directory with no Redis URL is a working system.
+
+Real processes throughout: `up` (embedded redis-server, Celery worker and beat) runs as a
+subprocess; save, show and sweep run as separate `checkpointq` processes, as from another
+shell; SIGINT then stops everything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from store import RedisStore
+from tests.cli.conftest import Cli
+from tests.cli.test_embedded import alive
+from tests.support.checkpoints import make_checkpoint
+from tests.support.servers import wait_until
+from worker.embedded import pid_of
+
+pytestmark = pytest.mark.integration
+
+#: Seconds `up` may take to start (or stop) on a loaded two-core machine.
+DEADLINE = 90
+
+
+def _checkpointq() -> list[str]:
+    """The installed console script (what a user runs), beside this interpreter."""
+    script = Path(sys.executable).parent / "checkpointq"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "worker.cli"]
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+@pytest.fixture
+def system(cli_offline: Cli) -> Iterator[subprocess.Popen[bytes]]:
+    """`checkpointq up` running in the clean directory, killed if a test leaves it running."""
+    log = (cli_offline.cwd / "up.log").open("wb")
+    process = subprocess.Popen(
+        [*_checkpointq(), "up"],
+        cwd=cli_offline.cwd,
+        env=cli_offline.process_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=DEADLINE)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        log.close()
+
+
+def test_up_without_a_url_saves_shows_sweeps_and_stops_on_sigint(
+    cli_offline: Cli, system: subprocess.Popen[bytes]
+) -> None:
+    data_dir = cli_offline.cwd / ".checkpointq"
+    log = cli_offline.cwd / "up.log"
+
+    # Given `up` started with nothing configured: its embedded Redis appears in ./.checkpointq
+    wait_until(
+        lambda: cli_offline.run("stats").returncode == 0,
+        timeout=DEADLINE,
+        message=f"checkpointq up to serve; log: {log}",
+    )
+    redis_pid = pid_of(data_dir)
+    assert redis_pid is not None and alive(redis_pid)
+    children = _children(system.pid)
+    assert len(children) == 3  # redis-server, worker, beat
+
+    # When a checkpoint is saved from another process and waited for
+    document = {"sessionId": "demo", "version": 2, "metadata": {"totalTokens": 7}}
+    saved = cli_offline.run(
+        "save", "-", "--wait", "--timeout", str(DEADLINE), input=json.dumps(document).encode()
+    )
+    assert saved.returncode == 0, saved.stderr
+
+    # Then show reads it back
+    shown = cli_offline.run("show", "demo", "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["metadata"]["totalTokens"] == 7
+
+    # And given a session whose lifetime ended long ago, a sweep by hand expires it
+    socket_url = f"unix://{data_dir / 'redis.sock'}"
+    stale = RedisStore.from_url(socket_url, clock=lambda: time.time() - 60 * 24 * 3600)
+    stale.save(make_checkpoint("stale"))
+    stale.close()
+    swept = cli_offline.run("sweep", "--json")
+    assert swept.returncode == 0, swept.stderr
+    assert json.loads(swept.stdout)["expired"] == 1
+    listed = json.loads(cli_offline.run("ls", "--json").stdout)
+    assert listed["sessions"] == ["demo"]
+
+    # When `up` gets SIGINT (Ctrl-C)
+    system.send_signal(signal.SIGINT)
+
+    # Then it exits cleanly, its children and the embedded Redis are gone, and so is the socket
+    assert system.wait(timeout=DEADLINE) == 0, log.read_text()
+    for pid in children:
+        wait_until(lambda pid=pid: not alive(pid), timeout=DEADLINE, message=f"pid {pid} gone")
+    assert not alive(redis_pid)
+    assert not (data_dir / "redis.sock").exists()
+    after = cli_offline.run("show", "demo")
+    assert after.returncode == 1
+    assert "no broker configured" in after.stderr
+
+    # And the data is on disk for the next `up`
+    assert any(path.name.startswith("appendonly") for path in data_dir.iterdir())
+    assert os.path.getsize(log) > 0
