@@ -1,0 +1,82 @@
+"""Beat's sweep, end to end: two real beats, a real worker, sessions with a 1 s lifetime."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from store.keys import KeySpace
+from tasks.client import CheckpointClient
+from tests.support.checkpoints import make_checkpoint
+from tests.support.servers import RedisServer, wait_until
+from tests.worker.celery_processes import CeleryProcess, checkpointq_env
+from worker.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+SHORT_LIVED: dict[str, object] = {
+    "queue": "checkpoints",
+    "concurrency": 2,
+    "ttl_seconds": 1,
+    "tombstone_ttl_seconds": 60,
+    "visibility_timeout": 10,
+    "retry_backoff_max_seconds": 1,
+    "sweep_interval_seconds": 1,
+}
+
+
+@pytest.fixture(scope="module")
+def short_lived(
+    broker_server: RedisServer, store_server: RedisServer
+) -> Iterator[tuple[Settings, list[CeleryProcess]]]:
+    """A worker and TWO beats (the mistake the lock must make harmless), sweeping each second."""
+    values = {**SHORT_LIVED, "broker_url": broker_server.url, "store_url": store_server.url}
+    env = checkpointq_env(**values)
+    processes = [CeleryProcess("worker", env)]
+    try:
+        processes[0].start()
+        processes.append(CeleryProcess("beat", env).start())
+        processes.append(CeleryProcess("beat", env).start())
+        yield Settings(**values), processes  # type: ignore[arg-type]
+    finally:
+        for process in reversed(processes):
+            code = process.stop()
+            print(f"--- {process.role} log (exit {code}) ---\n{process.log()}")
+
+
+def test_beat_sweep_expires_short_lived_sessions_and_announces_each_once(
+    short_lived: tuple[Settings, list[CeleryProcess]],
+) -> None:
+    settings, (worker, beat_a, beat_b) = short_lived
+    ids = [f"short-{i}" for i in range(3)]
+    with CheckpointClient.from_settings(settings) as client:
+        # Given sessions saved with a one-second lifetime
+        for session_id in ids:
+            client.wait_durable(client.save(make_checkpoint(session_id)), timeout=15)
+        events_key = KeySpace(settings.key_prefix).events()
+        redis = client.store.client  # type: ignore[attr-defined]
+
+        def announced() -> list[str]:
+            return [
+                fields[b"session_id"].decode()
+                for _, fields in redis.xrange(events_key)
+                if fields[b"type"] == b"expired"
+            ]
+
+        # When beat's sweeps run, Then each session is expired and announced on the stream
+        wait_until(lambda: sorted(announced()) == ids, timeout=20, message="expiry events")
+        assert client.list() == []
+        assert all(client.load(session_id) is None for session_id in ids)
+        # ... and in the worker's log
+        wait_until(lambda: all(i in worker.log() for i in ids), timeout=5, message="sweep log")
+        # And with two beats running only one sends sweeps; later sweeps announce nothing new
+        sent = [beat.log().count("Sending due task") for beat in (beat_a, beat_b)]
+        assert sorted(sent)[0] == 0 and sorted(sent)[1] >= 1, sent
+        before = sum(sent)
+        wait_until(
+            lambda: sum(b.log().count("Sending due task") for b in (beat_a, beat_b)) > before,
+            timeout=10,
+            message="another sweep",
+        )
+        assert sorted(announced()) == ids
