@@ -1,0 +1,147 @@
+"""Task policy without processes: InMemoryStore, fakeredis, tasks applied in-process."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import fakeredis
+import pytest
+from celery import Celery
+
+from store.base import Fence, SaveResult
+from store.errors import StoreUnavailable
+from store.keys import KeySpace
+from store.memory import InMemoryStore
+from store.model import Checkpoint
+from store.serde import checkpoint_to_wire
+from tasks import checkpoints, runtime
+from tasks.client import _SeqClock
+from tasks.dead_letters import DeadLetters
+from tasks.policy import RetryPolicy
+from tasks.runtime import Runtime
+from tasks.sweep import sweep
+from tests.support.checkpoints import make_checkpoint
+from worker.app import celery_config
+from worker.settings import Settings
+
+
+class DownStore(InMemoryStore):
+    """A store whose Redis is unreachable for every write."""
+
+    def save(self, checkpoint: Checkpoint, seq: int | None = None) -> SaveResult:
+        raise StoreUnavailable("save: Redis unavailable (ConnectionError)")
+
+    def fence(self, session_id: str) -> Fence | None:
+        raise StoreUnavailable("fence: Redis unavailable")
+
+
+@pytest.fixture
+def redis() -> fakeredis.FakeRedis:
+    return fakeredis.FakeRedis()
+
+
+def install(store: InMemoryStore, redis: fakeredis.FakeRedis, retries: int = 2) -> Runtime:
+    keys = KeySpace("unit")
+    rt = Runtime(
+        store=store,
+        redis=redis,
+        keys=keys,
+        dead_letters=DeadLetters(redis, keys, maxlen=1000),
+        retry=RetryPolicy(max_retries=retries, base_seconds=0.001, max_seconds=0.002),
+        max_message_bytes=64 * 1024,
+    )
+    runtime.install(rt)
+    return rt
+
+
+@pytest.fixture
+def app() -> Iterator[Celery]:
+    app = Celery("unit", set_as_current=False)
+    checkpoints.register(app)
+    yield app
+    runtime.reset()
+
+
+def apply(app: Celery, name: str, *args: Any, **kwargs: Any) -> Any:
+    return app.tasks[name].apply(args=args, kwargs=kwargs).result
+
+
+def test_save_reports_applied_then_stale_for_an_older_seq(
+    app: Celery, redis: fakeredis.FakeRedis
+) -> None:
+    install(InMemoryStore(), redis)
+    wire = checkpoint_to_wire(make_checkpoint("s"))
+    assert apply(app, checkpoints.SAVE, wire, seq=5)["outcome"] == "applied"
+    assert apply(app, checkpoints.SAVE, wire, seq=4)["outcome"] == "stale"
+    assert apply(app, checkpoints.DELETE, "s", seq=6)["outcome"] == "deleted"
+    assert apply(app, checkpoints.REFRESH, "s")["outcome"] == "absent"
+
+
+def test_invalid_input_is_dead_lettered_without_retry(
+    app: Celery, redis: fakeredis.FakeRedis
+) -> None:
+    rt = install(InMemoryStore(), redis)
+    outcome = apply(app, checkpoints.DELETE, "ok", seq=True)
+    assert outcome["outcome"] == "dead_lettered" and outcome["kind"] == "invalid_input"
+    (letter,) = rt.dead_letters.list().entries
+    assert letter.task == checkpoints.DELETE and letter.args == ["ok"]
+    assert letter.kwargs == {"seq": True} and letter.retries == 0 and letter.replayable
+
+
+def test_unavailable_store_is_retried_then_dead_lettered(
+    app: Celery, redis: fakeredis.FakeRedis
+) -> None:
+    rt = install(DownStore(), redis, retries=2)
+    wire = checkpoint_to_wire(make_checkpoint("down"))
+    app.tasks[checkpoints.SAVE].apply(args=[wire], kwargs={"seq": 1})
+    (letter,) = rt.dead_letters.list().entries
+    assert letter.kind == "retries_exhausted" and letter.retries == 2
+    assert letter.args == [wire] and letter.kwargs == {"seq": 1}
+
+
+def test_backoff_is_full_jitter_under_a_doubling_ceiling() -> None:
+    policy = RetryPolicy(max_retries=3, base_seconds=1, max_seconds=5)
+    assert [policy.ceiling(n) for n in range(5)] == [1, 2, 4, 5, 5]
+    rng = random.Random(7)
+    draws = [policy.countdown(2, rng) for _ in range(200)]
+    assert all(0 <= d <= 4 for d in draws) and max(draws) > 2
+    assert not policy.exhausted(2) and policy.exhausted(3)
+
+
+def test_sweep_announces_each_expired_session_and_skips_while_locked(
+    redis: fakeredis.FakeRedis,
+) -> None:
+    now = [1_000.0]
+    store = InMemoryStore(clock=lambda: now[0])
+    keys = KeySpace("unit")
+    store.save(make_checkpoint("old"), seq=1)
+    now[0] += 31 * 24 * 3600
+    redis.set(keys.sweep_lock(), "someone else")
+    assert sweep(store, redis, keys).locked_out
+    redis.delete(keys.sweep_lock())
+    result = sweep(store, redis, keys)
+    assert result.expired == ["old"] and not result.locked_out
+    assert [f[b"session_id"] for _, f in redis.xrange(keys.events())] == [b"old"]
+    assert redis.exists(keys.sweep_lock()) == 0
+
+
+def test_client_seqs_strictly_increase_within_a_process() -> None:
+    clock = _SeqClock()
+    seqs = [clock.next() for _ in range(1000)]
+    assert seqs == sorted(set(seqs))
+
+
+def test_celery_config_is_json_only_late_ack_and_fits_the_visibility_timeout() -> None:
+    settings = Settings(broker_url="redis://127.0.0.1:1/0")
+    conf = celery_config(settings)
+    assert conf["accept_content"] == ["json"] and conf["task_serializer"] == "json"
+    assert conf["task_acks_late"] and conf["task_reject_on_worker_lost"]
+    assert conf["task_ignore_result"] and conf["result_backend"] is None
+    assert not conf["worker_enable_remote_control"]
+    visibility = conf["broker_transport_options"]["visibility_timeout"]
+    policy = RetryPolicy(
+        settings.retry_max, settings.retry_backoff_seconds, settings.retry_backoff_max_seconds
+    )
+    assert max(policy.ceiling(n) for n in range(settings.retry_max + 1)) < visibility
