@@ -123,7 +123,8 @@ def test_sweep_announces_each_expired_session_and_skips_while_locked(
     redis.delete(keys.sweep_lock())
     result = sweep(store, redis, keys)
     assert result.expired == ["old"] and not result.locked_out
-    assert [f[b"session_id"] for _, f in redis.xrange(keys.events())] == [b"old"]
+    events: Any = redis.xrange(keys.events())
+    assert [fields[b"session_id"] for _, fields in events] == [b"old"]
     assert redis.exists(keys.sweep_lock()) == 0
 
 
