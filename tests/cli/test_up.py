@@ -7,6 +7,7 @@ shell; SIGINT then stops everything.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ from store import RedisStore
 from tests.cli.conftest import Cli
 from tests.cli.test_embedded import alive
 from tests.support.checkpoints import make_checkpoint
-from tests.support.servers import wait_until
+from tests.support.servers import RedisServer, wait_until
 from worker.embedded import pid_of
 
 pytestmark = pytest.mark.integration
@@ -41,14 +42,14 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
-@pytest.fixture
-def system(cli_offline: Cli) -> Iterator[subprocess.Popen[bytes]]:
-    """`checkpointq up` running in the clean directory, killed if a test leaves it running."""
-    log = (cli_offline.cwd / "up.log").open("wb")
+@contextlib.contextmanager
+def running_up(cli: Cli) -> Iterator[subprocess.Popen[bytes]]:
+    """`checkpointq up` running in ``cli``'s directory, killed if a test leaves it running."""
+    log = (cli.cwd / "up.log").open("wb")
     process = subprocess.Popen(
         [*_checkpointq(), "up"],
-        cwd=cli_offline.cwd,
-        env=cli_offline.process_env(),
+        cwd=cli.cwd,
+        env=cli.process_env(),
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -63,6 +64,12 @@ def system(cli_offline: Cli) -> Iterator[subprocess.Popen[bytes]]:
                 process.kill()
                 process.wait()
         log.close()
+
+
+@pytest.fixture
+def system(cli_offline: Cli) -> Iterator[subprocess.Popen[bytes]]:
+    with running_up(cli_offline) as process:
+        yield process
 
 
 def test_up_without_a_url_saves_shows_sweeps_and_stops_on_sigint(
@@ -121,3 +128,44 @@ def test_up_without_a_url_saves_shows_sweeps_and_stops_on_sigint(
     # And the data is on disk for the next `up`
     assert any(path.name.startswith("appendonly") for path in data_dir.iterdir())
     assert os.path.getsize(log) > 0
+
+
+def test_up_on_a_password_url_never_shows_the_password_and_stops_on_sigterm(
+    cli_offline: Cli,
+) -> None:
+    # Given a Redis that requires a password, and `up` configured with it
+    secret = "pw-" + os.urandom(8).hex()
+    server = RedisServer(password=secret).start()
+    cli_offline.env["CHECKPOINTQ_BROKER_URL"] = server.url
+    try:
+        with running_up(cli_offline) as system:
+            # When the system is used from another process
+            wait_until(
+                lambda: cli_offline.run("stats").returncode == 0,
+                timeout=DEADLINE,
+                message="checkpointq up to serve",
+            )
+            outputs = [
+                cli_offline.run(
+                    "save",
+                    "-",
+                    "--wait",
+                    "--timeout",
+                    str(DEADLINE),
+                    input=b'{"sessionId": "p", "version": 1}',
+                ),
+                cli_offline.run("show", "p"),
+                cli_offline.run("stats", "--json"),
+            ]
+            assert all(out.returncode == 0 for out in outputs), [o.stderr for o in outputs]
+
+            # Then SIGTERM stops it cleanly too
+            system.send_signal(signal.SIGTERM)
+            assert system.wait(timeout=DEADLINE) == 0
+        # And neither the commands nor any log line of up, worker or beat shows the password
+        shown = "".join(out.stdout + out.stderr for out in outputs)
+        shown += (cli_offline.cwd / "up.log").read_text(errors="replace")
+        assert "redis://:***@127.0.0.1" in shown
+        assert secret not in shown
+    finally:
+        server.cleanup()
