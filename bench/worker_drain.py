@@ -1,0 +1,90 @@
+"""End-to-end drain rate of one worker (prefork, concurrency 2): applied saves of 20 KB
+checkpoints per second, next to the same worker draining no-op tasks of the same payload.
+
+    .venv/bin/python bench/worker_drain.py [--messages 2000] [--size 20000]
+
+Starts private redis-servers (broker and store) and one worker. For each task it fills a
+staging list with ready-made protocol 2 envelopes, RENAMEs it onto the queue in one step,
+and times from the first message taken to the queue drained with nothing unacknowledged
+(acks are late: a message is acknowledged only once its task has run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from store.keys import KeySpace  # noqa: E402
+from store.serde import checkpoint_to_wire  # noqa: E402
+from tests.support.checkpoints import checkpoint_of_size  # noqa: E402
+from tests.support.servers import RedisServer  # noqa: E402
+from tests.worker.celery_processes import CeleryProcess, checkpointq_env  # noqa: E402
+from tests.worker.envelopes import protocol2  # noqa: E402
+
+QUEUE = "checkpoints"
+STAGING = "bench-staging"
+
+
+def drain(broker: RedisServer, task: str, messages: int, size: int, tag: str) -> float:
+    """Messages per second for ``messages`` requests of ``task``."""
+    client = broker.client()
+    pipe = client.pipeline(transaction=False)
+    payload_bytes = 0
+    for i in range(messages):
+        wire = checkpoint_to_wire(checkpoint_of_size(f"{tag}-{i}", size))
+        envelope = protocol2(task, [wire], {"seq": 1_000 + i}, queue=QUEUE)
+        payload_bytes += len(envelope)
+        pipe.lpush(STAGING, envelope)
+        if i % 200 == 199:
+            pipe.execute()
+    pipe.execute()
+    client.rename(STAGING, QUEUE)
+    while client.llen(QUEUE) >= messages:
+        time.sleep(0.001)
+    start = time.perf_counter()
+    while client.llen(QUEUE) or client.hlen("unacked"):
+        time.sleep(0.005)
+    elapsed = time.perf_counter() - start
+    client.close()
+    rate = messages / elapsed
+    print(
+        f"{task:18} {messages} msgs, ~{payload_bytes // messages // 1024} KiB envelopes: "
+        f"{elapsed:.2f}s, {rate:,.0f}/s",
+        flush=True,
+    )
+    return rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=2000)
+    parser.add_argument("--size", type=int, default=20_000, help="checkpoint JSON bytes")
+    args = parser.parse_args()
+    broker, store = RedisServer().start(), RedisServer().start()
+    env = checkpointq_env(
+        broker_url=broker.url, store_url=store.url, queue=QUEUE, pool="prefork", concurrency=2
+    )
+    env["PYTHONPATH"] = f"{REPO}:{REPO / 'bench'}"
+    worker = CeleryProcess("worker", env, app="noop_app")
+    try:
+        worker.start(ready="ready.")
+        noop = drain(broker, "checkpoint.noop", args.messages, args.size, "noop")
+        save = drain(broker, "checkpoint.save", args.messages, args.size, "save")
+        stored = store.client()
+        keys = KeySpace()
+        applied = sum(1 for i in range(args.messages) if stored.exists(keys.data(f"save-{i}")))
+        print(f"applied saves found in the store: {applied}/{args.messages}")
+        print(f"saves/s {save:,.0f}  no-op/s {noop:,.0f}  ratio save/no-op {save / noop:.2f}")
+    finally:
+        worker.stop()
+        broker.cleanup()
+        store.cleanup()
+
+
+if __name__ == "__main__":
+    main()
