@@ -64,6 +64,9 @@ def resolve(settings: Settings) -> Settings:
         NotConfigured: no URL and no ``checkpointq up`` running under ``data_dir``.
     """
     if settings.broker_url is not None:
+        if settings.store_url is None and redis_py_url(settings.broker_url) != settings.broker_url:
+            # A kombu-only spelling (redis+socket://): give redis-py (store, RedBeat) its own.
+            return settings.model_copy(update={"store_url": redis_py_url(settings.broker_url)})
         return settings
     embedded = EmbeddedRedis(settings.data_dir)
     if embedded.running() is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 import redis
 
 from store import RedisStore
@@ -12,6 +13,7 @@ from store.keys import KeySpace
 from tasks.dead_letters import DeadLetters, Reason
 from tests.cli.conftest import Cli
 from tests.support.checkpoints import make_checkpoint
+from tests.support.servers import RedisServer
 
 
 def test_show_prints_a_saved_checkpoint_as_text_and_as_json(
@@ -142,3 +144,23 @@ def test_dlq_lists_shows_and_purges_dead_letters(cli_env: Cli, redis_client: red
     missing = cli_env("dlq", "show", first)
     assert missing.exit_code == 1
     assert missing.stderr.count("\n") == 1
+
+
+def test_a_redis_socket_broker_url_also_serves_the_store(
+    cli_offline: Cli, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a Redis on a unix socket, configured in kombu's spelling only
+    socket_dir = tmp_path_factory.mktemp("sock")
+    server = RedisServer(extra_args=["--unixsocket", str(socket_dir / "r.sock")]).start()
+    try:
+        RedisStore(server.client()).save(make_checkpoint("on-socket"))
+        monkeypatch.setenv("CHECKPOINTQ_BROKER_URL", f"redis+socket://{socket_dir / 'r.sock'}")
+
+        # When the store is read through it
+        result = cli_offline("show", "on-socket", "--json")
+
+        # Then the CLI translated the URL for redis-py
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["sessionId"] == "on-socket"
+    finally:
+        server.cleanup()
