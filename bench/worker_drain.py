@@ -69,8 +69,7 @@ def main() -> None:
     env = checkpointq_env(
         broker_url=broker.url, store_url=store.url, queue=QUEUE, pool="prefork", concurrency=2
     )
-    env["PYTHONPATH"] = f"{REPO}:{REPO / 'bench'}"
-    worker = CeleryProcess("worker", env, app="noop_app")
+    worker = CeleryProcess("worker", env, app="bench.noop_app")
     try:
         worker.start(ready="ready.")
         noop = drain(broker, "checkpoint.noop", args.messages, args.size, "noop")
