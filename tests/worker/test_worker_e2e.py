@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -194,3 +195,16 @@ def test_saves_sent_while_the_store_is_down_are_applied_once_it_is_back(
         # every save is applied, and none was dead-lettered
         assert sorted(client.list()) == [f"outage-{i}" for i in range(5)]
         assert live.dead_letters().count() == 0
+
+
+def test_the_envelope_documented_in_protocol_md_is_applied_as_written(live: Deployment) -> None:
+    # Given the example envelope from docs/protocol.md, copied byte for byte
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
+    envelope = doc.split("```json\n", 1)[1].split("```", 1)[0]
+    # When a producer LPUSHes it
+    live.broker_client().lpush(QUEUE, envelope)
+    # Then the worker applies the save it describes
+    with live.checkpoint_client() as client:
+        wait_until(lambda: client.load("sess-42") is not None, timeout=15, message="doc save")
+        fence = client.store.fence("sess-42")
+        assert fence is not None and fence.seq == 1733130000000000
