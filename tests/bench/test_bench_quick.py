@@ -1,0 +1,56 @@
+"""The benchmark suite runs end to end in quick mode (no timing is asserted, ever)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.integration
+def test_quick_run_writes_a_report_with_every_section_and_its_plots(tmp_path: Path) -> None:
+    # Given an empty output directory
+    out = tmp_path / "results"
+
+    # When the suite runs in quick mode, as CI runs it
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+
+    # Then it succeeds and writes the report with each section, its targets and its plots
+    assert done.returncode == 0, done.stderr
+    report = (out / "REPORT.md").read_text(encoding="utf-8")
+    assert "Quick mode" in report
+    for heading in ("## Targets", "## Store: RedisStore vs plain SET/GET", "## Sweep:"):
+        assert heading in report
+    for row in ("save >= 0.5x SET (20 KB)", "expirations/s", "longest single Redis call"):
+        assert row in report
+    for plot in ("store_ops.png", "store_split.png", "sweep_time.png"):
+        assert f"]({plot})" in report
+        assert (out / plot).stat().st_size > 0
+
+
+def test_unknown_section_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    # When a section that does not exist is asked for
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--sections", "nope", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+    # Then the command fails with a usage error and writes no report
+    assert done.returncode == 2
+    assert "unknown section" in done.stderr
+    assert not (tmp_path / "REPORT.md").exists()
