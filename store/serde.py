@@ -9,7 +9,6 @@ ones in the order they arrived.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import orjson
@@ -30,8 +29,15 @@ _GO_ESCAPES = (
 
 
 # orjson reads integers beyond 64 bits as floats, silently; a run of 19 or more digits sends
-# the document to the stdlib parser instead, which keeps them exact.
-_LONG_DIGITS = re.compile(rb"\d{19}")
+# the document to the stdlib parser instead, which keeps them exact. The run is found by
+# mapping every digit to "0" and searching for 19 zeros: both steps run in C, about 8x
+# faster than the regex \d{19}, which took most of a 20 KB load's CPU (see bench/).
+_DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
+_LONG_DIGIT_RUN = b"0" * 19
+
+
+def _has_long_digit_run(raw: bytes) -> bool:
+    return _LONG_DIGIT_RUN in raw.translate(_DIGITS_TO_ZERO)
 
 
 def _reject_constant(name: str) -> Any:
@@ -96,7 +102,7 @@ def loads_json(data: bytes | str) -> Any:
     """Decode strict JSON (no NaN or Infinity, valid UTF-8), as Go's decoder would accept it."""
     raw = data.encode() if isinstance(data, str) else data
     try:
-        if _LONG_DIGITS.search(raw):
+        if _has_long_digit_run(raw):
             return json.loads(raw, parse_constant=_reject_constant)
         return orjson.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:  # orjson.JSONDecodeError is a ValueError

@@ -122,6 +122,17 @@ def test_unknown_fields_keep_their_json_types_and_order_at_every_level() -> None
     assert serialize_checkpoint(cp) == document
 
 
+@pytest.mark.parametrize(
+    "number", [2**63 - 1, 2**63, 9_999_999_999_999_999_999, -(2**63) - 1, 10**30]
+)
+def test_integers_at_and_beyond_64_bits_keep_every_digit(number: int) -> None:
+    # 19 digits is where int64 ends; orjson would turn anything longer into a float.
+    document = b'{"sessionId":"s","version":1,"metadata":{},"n":%d}' % number
+    cp = deserialize_checkpoint(document)
+    assert cp.extra_fields == {"n": number}
+    assert serialize_checkpoint(cp) == document
+
+
 def test_snake_case_keys_in_json_are_unknown_fields_not_aliases() -> None:
     cp = deserialize_checkpoint(b'{"sessionId":"s","session_id":"other","version":1}')
     assert cp.session_id == "s"
