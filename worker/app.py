@@ -65,6 +65,11 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             # longest task plus the longest retry countdown (settings validate this), or a
             # message waiting for its retry would be handed to a second worker meanwhile.
             "visibility_timeout": settings.visibility_timeout,
+            # kombu looks for such messages only every interval x throttle seconds (10 x 10
+            # by default): a crashed worker's messages would wait up to 100 s past the
+            # timeout. Look every tenth of the timeout instead (one ZRANGE, under a mutex).
+            "unacked_restore_interval": max(1, settings.visibility_timeout // 10),
+            "unacked_restore_throttle": 1,
         },
         # Producer side: retry a publish while the broker is briefly unreachable.
         "task_publish_retry": True,
