@@ -4,6 +4,10 @@ Each write (fence check, value, TTL, fence metadata, index entry) is one Lua scr
 so a crash can never leave a value without its TTL or an index entry without its value.
 Listing and expiry read a sorted set of deadlines, so their cost follows what they return,
 not the size of the keyspace.
+
+On Redis Cluster (see ``store.cluster`` for the URLs) the same scripts run unchanged: the
+``ClusterKeySpace`` puts each session's keys and its shard of the deadline index in one slot,
+and listing and sweeping walk the shards in turn (see ``store.keys``).
 """
 
 from __future__ import annotations
@@ -16,13 +20,15 @@ from typing import Any
 
 import redis
 from redis import exceptions as redis_errors
+from redis.cluster import RedisCluster
 
 from store.base import CheckpointStore, Clock, Fence, Page, SaveResult, StoreOptions
+from store.cluster import cluster_client_from_url, is_cluster_url
 from store.codec import CodecError
-from store.errors import CorruptCheckpoint, InvalidCheckpoint, StoreUnavailable
-from store.keys import DEFAULT_PREFIX, KeySpace
+from store.errors import CorruptCheckpoint, InvalidCheckpoint, InvalidInput, StoreUnavailable
+from store.keys import DEFAULT_PREFIX, DEFAULT_SHARDS, ClusterKeySpace, KeySpace
 from store.model import Checkpoint
-from store.scripts import Scripts
+from store.scripts import Scripts, queue
 from store.serde import deserialize_checkpoint
 from store.urls import redact_url
 
@@ -31,6 +37,9 @@ logger = logging.getLogger(__name__)
 #: Sessions expired per pipelined round trip in a sweep: large enough to amortise the round
 #: trip, small enough that one pipeline never holds Redis for more than a millisecond or so.
 SWEEP_BATCH = 500
+
+#: Index shards read per pipelined round trip when listing or sweeping a cluster layout.
+SHARD_BATCH = 128
 
 # Errors that say "try again later" rather than "this request is wrong".
 _TRANSIENT = (
@@ -41,6 +50,9 @@ _TRANSIENT = (
     redis_errors.ClusterError,
     redis_errors.TryAgainError,
     redis_errors.MasterDownError,
+    # Not a RedisError: raised while the client relearns the slot map (a failover, or no
+    # node answering yet), e.g. SlotNotCoveredError.
+    redis_errors.RedisClusterException,
 )
 
 
@@ -76,13 +88,30 @@ class RedisStore(CheckpointStore):
         options: StoreOptions | None = None,
         clock: Clock = time.time,
         url: str | None = None,
+        keys: KeySpace | None = None,
     ) -> None:
-        """Wrap ``client`` (a ``redis.Redis`` built with ``decode_responses=False``)."""
+        """Wrap ``client``, a ``redis.Redis`` or ``redis.cluster.RedisCluster`` built with
+        ``decode_responses=False``.
+
+        ``keys`` overrides the layout implied by ``prefix``: by default the Go layout on a
+        single Redis and ``ClusterKeySpace(prefix)`` on a cluster client.
+
+        Raises:
+            ValueError: a cluster client with a single-Redis layout (its scripts would span
+                slots).
+        """
         super().__init__(options, clock)
+        cluster = isinstance(client, RedisCluster)
+        if keys is None:
+            keys = ClusterKeySpace(prefix) if cluster else KeySpace(prefix)
+        elif cluster and not isinstance(keys, ClusterKeySpace):
+            raise ValueError("a Redis Cluster client needs a ClusterKeySpace layout")
         self.client = client
-        self.keys = KeySpace(prefix)
+        self.keys = keys
         self.scripts = Scripts.register(client)
         self._display_url = redact_url(url) if url else "<client>"
+        # Where the next sweep starts, so that a backlog in early shards cannot starve the rest.
+        self._sweep_from = 0
 
     @classmethod
     def from_url(
@@ -93,25 +122,38 @@ class RedisStore(CheckpointStore):
         options: StoreOptions | None = None,
         clock: Clock = time.time,
         socket_timeout: float = 5.0,
+        shards: int = DEFAULT_SHARDS,
         **client_kwargs: Any,
     ) -> RedisStore:
-        """Connect lazily to ``redis://``, ``rediss://`` (TLS) or ``unix://`` URLs.
+        """Connect lazily to ``redis://``, ``rediss://`` (TLS) or ``unix://`` URLs, or to a
+        Redis Cluster given as ``redis+cluster://host:port[,host:port...]`` or with
+        ``?cluster=true`` (see ``store.cluster``; ``shards`` applies to clusters only).
 
         Credentials in the URL are used but never shown: ``repr`` and errors carry a
         redacted form.
+
+        Raises:
+            StoreUnavailable: a cluster URL whose seeds do not answer (a cluster client
+                connects at once to learn the slot map).
         """
-        client = redis.Redis.from_url(
-            url,
-            decode_responses=False,
-            socket_timeout=socket_timeout,
-            socket_connect_timeout=socket_timeout,
-            health_check_interval=30,
+        common: dict[str, Any] = {
+            "decode_responses": False,
+            "socket_timeout": socket_timeout,
+            "socket_connect_timeout": socket_timeout,
+            "health_check_interval": 30,
             **client_kwargs,
-        )
+        }
+        if is_cluster_url(url):
+            with _store_errors(f"connect to {redact_url(url)}"):
+                cluster = cluster_client_from_url(url, **common)
+            keys = ClusterKeySpace(prefix, shards)
+            return cls(cluster, options=options, clock=clock, url=url, keys=keys)
+        client = redis.Redis.from_url(url, **common)
         return cls(client, prefix=prefix, options=options, clock=clock, url=url)
 
     def __repr__(self) -> str:
-        return f"RedisStore({self._display_url}, prefix={self.keys.prefix!r})"
+        shards = f", shards={self.keys.shards}" if isinstance(self.keys, ClusterKeySpace) else ""
+        return f"RedisStore({self._display_url}, prefix={self.keys.prefix!r}{shards})"
 
     # -- writes -------------------------------------------------------------------------
 
@@ -189,33 +231,96 @@ class RedisStore(CheckpointStore):
         return Fence(int(seq), deleted == b"1")
 
     def list_page(self, cursor: str | None = None, count: int = 1000) -> Page:
+        """One page of live ids; the cursor is ZSCAN's on a single Redis and
+        ``"<shard>:<zscan cursor>"`` on a cluster layout, which walks the shards in order."""
         now_ms = _ms(self.clock())
-        with _store_errors("list sessions"):
-            next_cursor, entries = self.client.zscan(
-                self.keys.index(), cursor=int(cursor or 0), count=count
-            )
-        ids = [member.decode() for member, score in entries if score > now_ms]
-        return Page(ids, str(next_cursor) if int(next_cursor) else None)
+        shard, inner = self._parse_cursor(cursor)
+        indexes = self.keys.index_keys()
+        ids: list[str] = []
+        while shard < len(indexes):
+            # The first shard resumes at its cursor; the rest of the batch start afresh.
+            batch = indexes[shard : shard + min(SHARD_BATCH, max(1, count))]
+            with _store_errors("list sessions"):
+                pipe = self.client.pipeline(transaction=False)
+                for position, index in enumerate(batch):
+                    pipe.zscan(index, cursor=inner if position == 0 else 0, count=count)
+                replies = pipe.execute()
+            for next_cursor, entries in replies:
+                ids.extend(member.decode() for member, score in entries if score > now_ms)
+                if int(next_cursor):
+                    # This shard has more: resume it next time, drop the later replies.
+                    return Page(ids, self._format_cursor(shard, int(next_cursor)))
+                shard, inner = shard + 1, 0
+                if len(ids) >= count:
+                    break
+            if len(ids) >= count:
+                break
+        more = shard < len(indexes)
+        return Page(ids, self._format_cursor(shard, 0) if more else None)
+
+    def _parse_cursor(self, cursor: str | None) -> tuple[int, int]:
+        if not cursor:
+            return 0, 0
+        shard, _, inner = cursor.rpartition(":")
+        try:
+            parsed = (int(shard) if shard else 0, int(inner))
+        except ValueError:
+            raise InvalidInput(f"not a cursor this store returned: {cursor!r}") from None
+        if not 0 <= parsed[0] < self.keys.shards or parsed[1] < 0:
+            raise InvalidInput(f"not a cursor this store returned: {cursor!r}")
+        return parsed
+
+    def _format_cursor(self, shard: int, inner: int) -> str:
+        # A single Redis keeps plain ZSCAN cursors, as before sharding existed.
+        return str(inner) if self.keys.shards == 1 else f"{shard}:{inner}"
 
     # -- expiry -------------------------------------------------------------------------
 
     def expire_stale(self, now: float | None = None, limit: int = 1000) -> list[str]:
+        """Expire up to ``limit`` due sessions: per index shard, ZRANGE BYSCORE for the due
+        ids, then one pipelined expire script per id (each touches one slot only).
+
+        On a cluster layout each call starts at the shard where the last one stopped, so a
+        backlog in some shards delays the others by at most one sweep.
+        """
         now_ms = _ms(self.clock() if now is None else now)
-        index = self.keys.index()
-        with _store_errors("list stale sessions"):
-            candidates = self.client.zrange(
-                index, "-inf", now_ms, byscore=True, offset=0, num=limit
-            )
+        indexes = self.keys.index_keys()
+        start = self._sweep_from % len(indexes)
+        order = indexes[start:] + indexes[:start]
+        expired: list[str] = []
+        remaining = limit
+        for offset in range(0, len(order), SHARD_BATCH):
+            batch = order[offset : offset + SHARD_BATCH]
+            with _store_errors("list stale sessions"):
+                pipe = self.client.pipeline(transaction=False)
+                for index in batch:
+                    pipe.zrange(index, "-inf", now_ms, byscore=True, offset=0, num=remaining)
+                replies = pipe.execute()
+            candidates: list[str] = []
+            for position, members in enumerate(replies):
+                candidates.extend(member.decode() for member in members[:remaining])
+                remaining = limit - len(expired) - len(candidates)
+                if remaining <= 0:
+                    # Resume here next time: this shard may hold more due sessions.
+                    self._sweep_from = start + offset + position
+                    break
+            expired.extend(self._expire(candidates, now_ms))
+            if remaining <= 0:
+                break
+        return expired
+
+    def _expire(self, candidates: list[str], now_ms: int) -> list[str]:
         expired: list[str] = []
         for start in range(0, len(candidates), SWEEP_BATCH):
-            batch = [member.decode() for member in candidates[start : start + SWEEP_BATCH]]
+            batch = candidates[start : start + SWEEP_BATCH]
             with _store_errors("expire stale sessions"):
                 pipe = self.client.pipeline(transaction=False)
                 for session_id in batch:
-                    self.scripts.expire(
-                        keys=self.keys.session(session_id).as_list(),
-                        args=[now_ms, session_id],
-                        client=pipe,
+                    queue(
+                        self.scripts.expire,
+                        pipe,
+                        self.keys.session(session_id).as_list(),
+                        [now_ms, session_id],
                     )
                 results = pipe.execute()
             expired.extend(sid for sid, done in zip(batch, results, strict=True) if done)
@@ -227,8 +332,14 @@ class RedisStore(CheckpointStore):
         """Index sessions written by the Go store directly (it keeps no index); return count.
 
         A one-off SCAN of ``<prefix>:*`` for deployments that switch from Go writers: it is
-        the only place checkpointq scans the keyspace.
+        the only place checkpointq scans the keyspace. Single Redis only: on a cluster layout
+        the data keys are not Go's, so there is nothing Go wrote that this store could read.
+
+        Raises:
+            InvalidInput: the store uses a cluster layout.
         """
+        if not self.keys.go_compatible:
+            raise InvalidInput("reindex adopts Go-written keys; a cluster layout has none")
         added = 0
         now_ms = _ms(self.clock())
         with _store_errors("reindex"):

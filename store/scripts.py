@@ -1,7 +1,8 @@
 """The Lua scripts, read once from ``store/lua/*.lua`` and registered once per client.
 
 redis-py's ``Script`` sends EVALSHA and reloads on NOSCRIPT (after a restart or a failover),
-and works inside pipelines, so callers never handle script caching themselves.
+and works inside pipelines, so callers never handle script caching themselves. The one
+exception is a Redis Cluster pipeline: see ``queue``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+from redis.cluster import ClusterPipeline
 from redis.commands.core import Script
 
 
@@ -18,6 +20,21 @@ from redis.commands.core import Script
 def script_source(name: str) -> str:
     """The text of ``store/lua/<name>.lua``, read from package data once per process."""
     return resources.files("store").joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
+
+
+def queue(script: Script, pipe: Any, keys: list[str], args: list[Any]) -> None:
+    """Add one call of ``script`` to ``pipe``, a plain or a cluster pipeline.
+
+    redis-py refuses EVALSHA in cluster pipelines (it could not load a script missing on one
+    node mid-pipeline) and leaves ``ClusterPipeline.eval`` unimplemented, so there the body
+    goes as a raw EVAL, which the pipeline routes by its keys like any other command.
+    """
+    if isinstance(pipe, ClusterPipeline):
+        pipe.execute_command(  # type: ignore[no-untyped-call]
+            "EVAL", script.script, len(keys), *keys, *args
+        )
+    else:
+        script(keys=keys, args=args, client=pipe)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,8 @@
 """Fixtures for the store contract suite: one test body, every backend.
 
-``store_env`` is parametrized over the in-memory store, the Redis store on fakeredis and the
-Redis store on a real ``redis-server``. Tests say "let this much time pass" through
+``store_env`` is parametrized over the in-memory store, the Redis store on fakeredis, the
+Redis store on a real ``redis-server`` and on a local 3-master Redis Cluster (started only
+when a test of that backend runs). Tests say "let this much time pass" through
 ``StoreEnv.pass_time``: the in-memory store's clock is advanced at once; Redis stores keep
 real time (Redis expires keys by its own clock), so the call polls until the time has passed.
 """
@@ -19,9 +20,10 @@ import pytest
 import redis
 
 from store import CheckpointStore, InMemoryStore, RedisStore, StoreOptions
+from tests.support.cluster import LocalCluster
 from tests.support.servers import RedisServer
 
-BACKENDS = ["memory", "fakeredis", "redis"]
+BACKENDS = ["memory", "fakeredis", "redis", "cluster"]
 _prefixes = itertools.count()
 
 
@@ -80,6 +82,10 @@ def store_env(request: pytest.FixtureRequest) -> Iterator[StoreEnv]:
         return
     if backend == "fakeredis":
         client: Any = fakeredis.FakeRedis(server=fakeredis.FakeServer())
+    elif backend == "cluster":
+        cluster: LocalCluster = request.getfixturevalue("redis_cluster")
+        client = cluster.client()
+        client.flushall()
     else:
         server: RedisServer = request.getfixturevalue("redis_server")
         client = server.client()
@@ -91,6 +97,15 @@ def store_env(request: pytest.FixtureRequest) -> Iterator[StoreEnv]:
 
     yield StoreEnv(backend, make_redis, None, client)
     client.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[LocalCluster]:
+    """A private 3-master Redis Cluster (no replicas) for the whole run; started lazily, the
+    first time a test asks for it. Tests isolate themselves by key prefix and by flushing."""
+    cluster = LocalCluster(masters=3).start()
+    yield cluster
+    cluster.cleanup()
 
 
 @pytest.fixture
