@@ -21,6 +21,7 @@ from bench.harness import RunConfig, SectionReport
 #: Section name -> module whose ``run(config)`` measures it, in report order.
 SECTIONS = {
     "store": "bench.store_bench",
+    "producer": "bench.producer_bench",
     "sweep": "bench.sweep_bench",
 }
 

@@ -67,3 +67,21 @@ def lines(
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def cdf(path: Path, title: str, samples: Mapping[str, Sequence[float]], xlabel: str) -> None:
+    """Empirical CDFs of latency samples, one line per series, log x axis."""
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, values in samples.items():
+        ordered = sorted(values)
+        n = len(ordered)
+        ax.plot(ordered, [(i + 1) / n for i in range(n)], label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
