@@ -133,6 +133,14 @@ class KeySpace:
     def events(self) -> str:
         return f"{self._internal}:events"
 
+    def heartbeat(self, worker: str) -> str:
+        """A worker's heartbeat: renewed every few seconds, expires when the worker stops."""
+        return f"{self._internal}:heartbeat:{worker}"
+
+    def workers(self) -> str:
+        """Set of the names of workers that sent a heartbeat (some may have stopped since)."""
+        return f"{self._internal}:workers"
+
 
 @dataclass(frozen=True, slots=True)
 class ClusterKeySpace(KeySpace):
