@@ -28,7 +28,7 @@ from store.base import validate_seq
 from store.errors import InvalidInput, StoreUnavailable
 from store.model import validate_session_id
 from store.serde import checkpoint_from_wire
-from tasks import runtime
+from tasks import observers, runtime
 from tasks.dead_letters import Reason
 from tasks.sweep import sweep
 
@@ -56,6 +56,7 @@ def save(checkpoint: object, seq: int | None = None) -> Outcome:
         "seq": result.seq,
         "version": result.version,
         "trimmed": result.trimmed,
+        "stored_bytes": result.stored_bytes,
     }
 
 
@@ -102,8 +103,20 @@ class OutcomeLog:
         self._lock = threading.Lock()
         self._since = time.monotonic()
 
-    def record(self, task: str, outcome: Outcome) -> None:
-        logger.debug("%s -> %s", task, outcome)
+    def record(self, task: str, outcome: Outcome, task_id: str | None = None) -> None:
+        # The "<task> -> <outcome>" tail is parsed by tests/faults/harness.py: keep it last.
+        logger.debug(
+            "task_id=%s %s -> %s",
+            task_id,
+            task,
+            outcome,
+            extra={
+                "event": "request",
+                "session_id": outcome.get("session_id"),
+                "seq": outcome.get("seq"),
+                "outcome": outcome.get("outcome"),
+            },
+        )
         with self._lock:
             self._counts[f"{task.removeprefix('checkpoint.')}:{outcome.get('outcome')}"] += 1
             now = time.monotonic()
@@ -133,6 +146,38 @@ def _dead_letter(
     return {"outcome": "dead_lettered", "kind": kind.value, "entry": entry}
 
 
+def _requested_seq(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """The ``seq`` the producer stamped on a save or delete, if it sent a valid one."""
+    seq = kwargs.get("seq", args[1] if len(args) > 1 else None)
+    return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
+
+
+def _observe(
+    task: Task,
+    outcome: Outcome,
+    started: float | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
+    """Log the outcome and tell the observers (metrics) about it."""
+    outcomes.record(task.name, outcome, task.request.id)
+    label = observers.task_label(task.name)
+    observers.notify(
+        observers.Observation(
+            task=label,
+            outcome=str(outcome.get("outcome")),
+            task_id=task.request.id,
+            session_id=outcome.get("session_id"),
+            seq=_requested_seq(args, kwargs) if label in ("save", "delete") else None,
+            seconds=None if started is None else time.perf_counter() - started,
+            stored_bytes=outcome.get("stored_bytes"),
+            trimmed=int(outcome.get("trimmed") or 0),
+            expired=int(outcome.get("expired") or 0) if label == "expire_stale" else 0,
+            kind=outcome.get("kind"),
+        )
+    )
+
+
 class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
     """Base of the checkpoint tasks: argument checks, retries and dead letters."""
 
@@ -148,8 +193,9 @@ class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
             inspect.signature(self.run).bind(*args, **kwargs)
         except TypeError as exc:
             outcome = _dead_letter(self, Reason.BAD_ARGUMENTS, str(exc), args, kwargs)
-            outcomes.record(self.name, outcome)
+            _observe(self, outcome, None, args, kwargs)
             return outcome
+        started = time.perf_counter()
         try:
             outcome = self.run(*args, **kwargs)
         except InvalidInput as exc:
@@ -160,7 +206,7 @@ class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
             logger.exception("%s [%s] failed unexpectedly", self.name, self.request.id)
             reason = f"{type(exc).__name__}: {exc}"
             outcome = _dead_letter(self, Reason.FAILED, reason, args, kwargs)
-        outcomes.record(self.name, outcome)
+        _observe(self, outcome, started, args, kwargs)
         return outcome
 
     def _retry_or_dead_letter(
@@ -181,6 +227,7 @@ class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
             policy.max_retries,
             countdown,
         )
+        _observe(self, {"outcome": "retried"}, None, args, kwargs)
         # Publishes a copy with an ETA and acknowledges this one; raises celery's Retry.
         raise self.retry(exc=exc, countdown=countdown, max_retries=None)
 

@@ -21,7 +21,7 @@ from celery import signals
 from celery.worker.consumer import Consumer
 
 from store.errors import StoreUnavailable
-from tasks import runtime
+from tasks import observers, runtime
 from tasks.dead_letters import Reason
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,14 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no 
         except StoreUnavailable:
             logger.error("left %s [%s] unacknowledged for redelivery", task, task_id)
             return False
+        observers.notify(
+            observers.Observation(
+                task=observers.task_label(task),
+                outcome="dead_lettered",
+                task_id=task_id,
+                kind=kind.value,
+            )
+        )
         return True
 
     def create_task_handler(self, *args: Any, **kwargs: Any) -> Any:
@@ -104,6 +112,12 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no 
 
         def on_task_received(message: Message) -> Any:
             size = len(message.body or b"")
+            # The task name from the headers only: decoding a protocol 1 body just to label
+            # its size is not worth it (those are counted under task "other").
+            headers = message.headers if isinstance(message.headers, dict) else {}
+            observers.notify_received(
+                observers.Received(observers.task_label(headers.get("task")), size)
+            )
             if size <= limit:
                 return handle(message)
             reason = f"message body is {size} bytes; the limit is {limit}"
