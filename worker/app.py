@@ -20,7 +20,7 @@ from tasks.client import PUBLISH_RETRY_POLICY
 from tasks.dead_letters import DeadLetters
 from tasks.policy import RetryPolicy
 from tasks.runtime import Runtime
-from worker import beat
+from worker import beat, health, logs, metrics
 from worker import signals as _signals  # noqa: F401  # importing it connects the hooks
 from worker.settings import Settings
 
@@ -90,9 +90,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # Remote control (inspect, shutdown, rate limits over the broker) lets anyone who can
         # write to the broker stop the fleet: off unless asked for.
         "worker_enable_remote_control": settings.remote_control,
-        # No monitoring events: nobody consumes them by default, and they cost a publish each.
-        "worker_send_task_events": False,
-        "task_send_sent_event": False,
+        # Monitoring events (what Flower shows) only when asked for: nobody consumes them by
+        # default, and they cost a publish per task state change.
+        "worker_send_task_events": settings.task_events,
+        "task_send_sent_event": settings.task_events,
         # Every task goes to our queue; producers in other languages push to the same list.
         "task_default_queue": settings.queue,
         "task_create_missing_queues": True,
@@ -147,6 +148,11 @@ def create_app(settings: Settings | None = None) -> Celery:
     app.conf.update(beat.beat_config(settings))
     checkpoints.register(app)
     runtime.configure(lambda: build_runtime(settings))
+    # Operations (worker/metrics.py, worker/health.py, worker/logs.py): the /metrics
+    # endpoint, heartbeats for `checkpointq health` and `top`, the log format.
+    metrics.install(app, settings)
+    health.install(app, settings)
+    logs.install(settings.log_format)
     logger.debug("celery app for broker %s", redact_url(settings.broker_url or ""))
     return app
 

@@ -72,6 +72,9 @@ class Settings(BaseSettings):
     #: Allow Celery remote control (inspect, shutdown over the broker). Off: nobody with
     #: broker access can stop workers by pushing a control message.
     remote_control: bool = False
+    #: Send Celery task events (what Flower shows). Off: each event is one more publish per
+    #: task, and nobody consumes them unless Flower (or `celery events`) runs.
+    task_events: bool = False
 
     # -- housekeeping -----------------------------------------------------------------
     #: Seconds between beat's sweeps of expired sessions.
@@ -85,6 +88,20 @@ class Settings(BaseSettings):
 
     # -- logging ----------------------------------------------------------------------
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    #: ``text``: one human line per event; ``json``: one JSON object per line, with
+    #: ``session_id``, ``seq``, ``outcome`` and ``task_id`` as fields where they apply.
+    log_format: Literal["text", "json"] = "text"
+
+    # -- operations -------------------------------------------------------------------
+    #: Port of the worker's Prometheus endpoint (``/metrics``, served by the worker's main
+    #: process). Unset: no endpoint (the worker still counts, for `checkpointq top`).
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)
+    #: Address the metrics endpoint listens on; all interfaces, so a scraper in another
+    #: container or pod can reach it.
+    metrics_address: str = "0.0.0.0"  # noqa: S104
+    #: Seconds between a worker's heartbeats (health checks and `checkpointq top` read them);
+    #: a heartbeat lives three times this long.
+    heartbeat_seconds: float = Field(default=5.0, gt=0)
 
     @model_validator(mode="after")
     def _delivery_fits(self) -> Settings:

@@ -1,0 +1,291 @@
+"""Worker heartbeats, and the health check that reads them (``checkpointq health``).
+
+Remote control is off by default (anyone who can write to the broker could otherwise stop
+the fleet), so ``celery inspect ping`` cannot tell whether a worker runs. Instead each
+worker writes a heartbeat to the store Redis every ``heartbeat_seconds``: a key
+(``KeySpace.heartbeat(name)``) that expires after three intervals, and its name in a set
+(``KeySpace.workers()``) so that readers find the keys without SCAN. The value is a small
+JSON document: host, pid, time, and the worker's totals so far (``metrics.snapshot()``),
+which is what ``checkpointq top`` turns into throughput.
+
+The heartbeat is sent from the consumer's event loop (a consumer bootstep on its timer, as
+Celery's own event heartbeat), not from a thread: it stops when the loop is stuck, and when
+the broker connection is lost (Celery stops the consumer's steps until it reconnects). It
+therefore says "this worker is consuming", not merely "this process exists". Its expiry is
+measured by Redis, so the clocks of the worker and the checker never have to agree.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from celery import Celery, bootsteps
+from redbeat.schedulers import RedBeatConfig, RedBeatSchedulerEntry
+
+from store.keys import KeySpace
+from store.urls import redact_url
+from worker import connections, metrics
+from worker.beat import SWEEP_ENTRY, beat_config
+from worker.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+#: A heartbeat lives this many intervals: one late beat is not yet a dead worker.
+HEARTBEAT_LIVES = 3
+#: Seconds a health check waits for each Redis to connect and answer.
+CHECK_TIMEOUT = 3.0
+#: A sweep this much later than its due time means beat is not running (a running beat
+#: fires within one tick, at most 5 s, of the due time and reschedules it at once).
+BEAT_SLACK_SECONDS = 30.0
+
+
+# -- the heartbeat ------------------------------------------------------------------------
+
+
+def heartbeat_value(worker: str, started: float, queue: str) -> dict[str, Any]:
+    """What one heartbeat says: who, since when, and the worker's totals so far."""
+    return {
+        "worker": worker,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "queue": queue,
+        "started": started,
+        "time": time.time(),
+        "totals": metrics.snapshot(),
+    }
+
+
+class Heartbeat:
+    """Writes one worker's heartbeat; ``beat()`` is called on the consumer's timer."""
+
+    def __init__(self, client: Any, keys: KeySpace, worker: str, *, interval: float, queue: str):
+        self.client = client
+        self.keys = keys
+        self.worker = worker
+        self.interval = interval
+        self.queue = queue
+        self.started = time.time()
+        self._failing = False
+
+    def beat(self) -> None:
+        value = json.dumps(heartbeat_value(self.worker, self.started, self.queue))
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.set(
+                self.keys.heartbeat(self.worker),
+                value,
+                px=int(self.interval * HEARTBEAT_LIVES * 1000),
+            )
+            pipe.sadd(self.keys.workers(), self.worker)
+            pipe.execute()
+        except redis.RedisError as exc:
+            # Logged once per outage: health checks report the missing heartbeat meanwhile.
+            if not self._failing:
+                logger.warning("heartbeat not written (store Redis: %s)", exc)
+            self._failing = True
+        else:
+            if self._failing:
+                logger.info("heartbeat written again")
+            self._failing = False
+
+    def clear(self) -> None:
+        """Remove the heartbeat at a clean stop, so nobody mistakes us for running."""
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.delete(self.keys.heartbeat(self.worker))
+            pipe.srem(self.keys.workers(), self.worker)
+            pipe.execute()
+        except redis.RedisError as exc:
+            logger.info("heartbeat not cleared (it expires by itself): %s", exc)
+
+
+def install(app: Celery, settings: Settings) -> None:
+    """Make ``app``'s workers send heartbeats while they consume."""
+
+    class HeartbeatStep(bootsteps.StartStopStep):  # type: ignore[misc]  # no celery hints
+        """Heartbeats on the consumer's timer, from when it can receive tasks."""
+
+        requires = ("celery.worker.consumer.tasks:Tasks",)
+
+        def __init__(self, consumer: Any, **kwargs: Any) -> None:
+            self._heart: Heartbeat | None = None
+            self._tref: Any = None
+
+        def start(self, consumer: Any) -> None:
+            resolved = connections.resolve(settings)
+            client = redis.Redis.from_url(
+                connections.redis_py_url(resolved.resolved_store_url or ""),
+                socket_timeout=1.0,
+                socket_connect_timeout=1.0,
+            )
+            heart = Heartbeat(
+                client,
+                connections.key_space(resolved),
+                consumer.hostname,
+                interval=settings.heartbeat_seconds,
+                queue=settings.queue,
+            )
+            heart.beat()
+            self._heart = heart
+            self._tref = consumer.timer.call_repeatedly(settings.heartbeat_seconds, heart.beat)
+
+        def stop(self, consumer: Any) -> None:
+            if self._tref is not None:
+                consumer.timer.cancel(self._tref)
+                self._tref = None
+            if self._heart is not None:
+                self._heart.clear()
+                self._heart.client.close()
+                self._heart = None
+
+        shutdown = stop
+
+    app.steps["consumer"].add(HeartbeatStep)
+
+
+def live_workers(client: Any, keys: KeySpace) -> list[dict[str, Any]]:
+    """The heartbeats of workers alive now (their keys have not expired), by name."""
+    names = sorted(_text(name) for name in client.smembers(keys.workers()))
+    if not names:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.get(keys.heartbeat(name))
+    beats = []
+    for raw in pipe.execute():
+        if raw is not None:
+            beats.append(json.loads(raw))
+    return beats
+
+
+# -- beat's schedule ------------------------------------------------------------------------
+
+
+def next_sweep(settings: Settings, client: Any) -> float | None:
+    """When beat will next run the sweep (epoch seconds), from RedBeat's schedule in Redis.
+
+    None when no beat has ever scheduled it. RedBeat keeps the schedule on the store Redis
+    (``worker/beat.py``); the key names come from RedBeat itself.
+    """
+    app = Celery("checkpointq-health", set_as_current=False)
+    app.conf.update(beat_config(settings))
+    app.redbeat_conf = RedBeatConfig(app)
+    entry_key = RedBeatSchedulerEntry.generate_key(app, SWEEP_ENTRY)
+    score = client.zscore(app.redbeat_conf.schedule_key, entry_key)
+    return None if score is None else float(score)
+
+
+# -- the check ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One thing a health check looked at."""
+
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """All checks; healthy when every one passed."""
+
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(check.ok for check in self.checks)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "checks": {c.name: {"ok": c.ok, "detail": c.detail} for c in self.checks},
+        }
+
+    def line(self) -> str:
+        """One line: the failures if any, else what passed."""
+        shown = [c for c in self.checks if not c.ok] or self.checks
+        status = "healthy" if self.ok else "unhealthy"
+        return f"{status}: " + "; ".join(f"{c.name}: {c.detail}" for c in shown)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+def _client(url: str) -> Any:
+    return redis.Redis.from_url(
+        connections.redis_py_url(url),
+        socket_timeout=CHECK_TIMEOUT,
+        socket_connect_timeout=CHECK_TIMEOUT,
+    )
+
+
+def _ping(name: str, url: str) -> tuple[Check, Any]:
+    client = _client(url)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        client.close()
+        return Check(name, False, f"{redact_url(url)} unreachable ({type(exc).__name__})"), None
+    return Check(name, True, f"{redact_url(url)} answers"), client
+
+
+def check(settings: Settings, *, local: bool = False, beat: bool = False) -> Report:
+    """Ping the broker and the store; then look for a live worker (or, with ``beat``, for a
+    sweep schedule that is not overdue).
+
+    Args:
+        settings: resolved settings (both URLs known).
+        local: the worker must run on this host (a container's or pod's own probe).
+        beat: check beat's schedule instead of the workers (beat's own probe).
+    """
+    broker_url = settings.broker_url or ""
+    store_url = settings.resolved_store_url or broker_url
+    broker_check, broker = _ping("broker", broker_url)
+    store_check, store = _ping("store", store_url)
+    checks = [broker_check, store_check]
+    try:
+        name = "beat" if beat else "worker"
+        if store is None:
+            checks.append(Check(name, False, "not checked: the store is down"))
+        elif beat:
+            checks.append(_check_beat(settings, store))
+        else:
+            keys = connections.key_space(settings)
+            checks.append(_check_workers(live_workers(store, keys), local))
+    except redis.RedisError as exc:
+        checks.append(Check(name, False, f"store read failed ({type(exc).__name__})"))
+    finally:
+        for client in (broker, store):
+            if client is not None:
+                client.close()
+    return Report(checks)
+
+
+def _check_workers(beats: list[dict[str, Any]], local: bool) -> Check:
+    host = socket.gethostname()
+    alive = [b for b in beats if not local or b.get("host") == host]
+    where = f" on {host}" if local else ""
+    if not alive:
+        return Check("worker", False, f"no worker heartbeat{where} (is a worker running?)")
+    names = ", ".join(str(b.get("worker")) for b in alive)
+    return Check("worker", True, f"{len(alive)} alive{where} ({names})")
+
+
+def _check_beat(settings: Settings, store: Any) -> Check:
+    due = next_sweep(settings, store)
+    if due is None:
+        return Check("beat", False, "no sweep scheduled (is beat running?)")
+    late = time.time() - due
+    if late > BEAT_SLACK_SECONDS:
+        return Check("beat", False, f"the sweep is {late:.0f}s overdue (is beat running?)")
+    return Check("beat", True, f"next sweep in {max(0.0, -late):.0f}s")
