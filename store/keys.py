@@ -133,6 +133,11 @@ class KeySpace:
     def events(self) -> str:
         return f"{self._internal}:events"
 
+    def beat_prefix(self) -> str:
+        """Prefix of beat's schedule and lock (celery-redbeat), so that deployments sharing
+        a Redis do not share one beat lock."""
+        return f"{self._internal}:beat:"
+
     def heartbeat(self, worker: str) -> str:
         """A worker's heartbeat: renewed every few seconds, expires when the worker stops."""
         return f"{self._internal}:heartbeat:{worker}"

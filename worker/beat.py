@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from store.keys import KeySpace
 from tasks.checkpoints import EXPIRE_STALE
 from worker.settings import Settings
 
@@ -40,6 +41,7 @@ def beat_config(settings: Settings) -> dict[str, Any]:
         # (redis+socket://) that redis-py, which RedBeat uses, does not understand.
         "redbeat_redis_url": settings.resolved_store_url,
         "redbeat_redis_options": {},
+        "redbeat_key_prefix": KeySpace(settings.key_prefix).beat_prefix(),
         "redbeat_lock_timeout": int(tick * 6),
         "beat_max_loop_interval": tick,
     }
