@@ -297,32 +297,45 @@ def list_sessions(
 @cli.command()
 @json_option
 def stats(as_json: bool) -> None:
-    """Queue depth, live sessions, dead letters and events."""
-    settings = _settings()
-    keys = connections.key_space(settings)
-    broker = connections.broker_client(settings)
-    store = connections.store_client(settings)
-    try:
-        depth = int(broker.llen(settings.queue))
-        now_ms = int(time.time() * 1000)
-        pipe = store.pipeline(transaction=False)
-        pipe.zcount(keys.index(), f"({now_ms}", "+inf")
-        pipe.zcount(keys.index(), "-inf", now_ms)
-        pipe.xlen(keys.dead_letters())
-        pipe.xlen(keys.events())
-        live, stale, dead, events = (int(value) for value in pipe.execute())
-    finally:
-        broker.close()
-        store.close()
-    data = {
-        "queue": settings.queue,
-        "queue_depth": depth,
-        "live_sessions": live,
-        "stale_sessions": stale,
-        "dead_letters": dead,
-        "events": events,
-    }
-    _emit(as_json, data, (f"{name:<15} {value}" for name, value in data.items()))
+    """Queue depth, sessions, dead letters, workers and their totals (what `top` shows)."""
+    from worker import top as top_view  # rich is imported only by the commands that use it
+
+    snapshot = top_view.collect(_settings())
+    _emit(as_json, snapshot.as_json(), top_view.stats_lines(snapshot))
+
+
+@cli.command()
+@click.option(
+    "--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True, help="s."
+)
+@click.option("--once", is_flag=True, help="Draw one screen and exit.")
+def top(interval: float, once: bool) -> None:
+    """A live view: throughput by outcome, queue depth, lag, dead letters, next sweep."""
+    from worker import top as top_view  # rich is imported only by the commands that use it
+
+    top_view.run(_settings(), interval=interval, once=once)
+
+
+@cli.command()
+@click.option("--local", is_flag=True, help="Require a worker on this host (container probes).")
+@click.option("--beat", is_flag=True, help="Check beat's sweep schedule instead of workers.")
+@json_option
+def health(local: bool, beat: bool, as_json: bool) -> None:
+    """Exit 0 when the broker and store answer and a worker is alive (or beat, with --beat).
+
+    Workers are seen through their heartbeats in the store Redis, not remote control.
+    """
+    from worker import health as checks
+
+    report = checks.check(_settings(), local=local, beat=beat)
+    if as_json:
+        click.echo(json.dumps(report.as_json()))
+    elif report.ok:
+        click.echo(report.line())
+    if not report.ok:
+        if not as_json:
+            click.echo(f"checkpointq: {report.line()}", err=True)
+        raise SystemExit(EXIT_FAILURE)
 
 
 # -- housekeeping ---------------------------------------------------------------------------
