@@ -1,0 +1,134 @@
+"""A live system for the operations tests: private broker and store Redis, a real prefork
+worker (concurrency 2) with its metrics endpoint and quick heartbeats, and the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from tasks.client import CheckpointClient
+from tests.support.servers import RedisServer, free_port, wait_until
+from tests.worker.celery_processes import REPO, CeleryProcess, checkpointq_env
+from worker.settings import Settings
+
+QUEUE = "checkpoints"
+
+#: Quick heartbeats (they live 3 intervals), quick retries, a small message limit.
+WORKER_SETTINGS: dict[str, object] = {
+    "queue": QUEUE,
+    "concurrency": 2,
+    "pool": "prefork",
+    "heartbeat_seconds": 0.5,
+    "retry_max": 40,
+    "retry_backoff_seconds": 0.1,
+    "retry_backoff_max_seconds": 0.5,
+    "max_message_bytes": 256 * 1024,
+    "shutdown_timeout_seconds": 2,
+}
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(port: int) -> Samples:
+    """Every sample of ``http://127.0.0.1:<port>/metrics``, keyed by name and labels."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    """One sample's value; 0 when absent (a counter nobody has touched yet)."""
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+@dataclass
+class System:
+    """Broker, store, a worker with its metrics port, and the settings to reach them."""
+
+    broker: RedisServer
+    store: RedisServer
+    settings: Settings
+    values: dict[str, object]
+    worker: CeleryProcess | None = None
+
+    @property
+    def metrics_port(self) -> int:
+        port = self.settings.metrics_port
+        assert port is not None
+        return port
+
+    def env(self) -> dict[str, str]:
+        return checkpointq_env(**self.values)
+
+    def start_worker(self) -> CeleryProcess:
+        self.worker = CeleryProcess("worker", self.env()).start()
+        return self.worker
+
+    def stop_worker(self) -> None:
+        if self.worker is not None:
+            code = self.worker.stop()
+            print(f"--- worker log (exit {code}) ---\n{self.worker.log()}")
+            self.worker = None
+
+    def client(self) -> CheckpointClient:
+        return CheckpointClient.from_settings(self.settings)
+
+    def broker_client(self) -> redis.Redis:
+        return self.broker.client()
+
+    def store_client(self) -> redis.Redis:
+        return self.store.client()
+
+    def wait_drained(self, timeout: float = 30.0) -> None:
+        """Until the queue is empty and the worker holds no unacknowledged message."""
+        client = self.broker_client()
+        try:
+            wait_until(
+                lambda: client.llen(QUEUE) == 0 and client.hlen("unacked") == 0,
+                timeout=timeout,
+                message="the worker to drain the queue",
+            )
+        finally:
+            client.close()
+
+    def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """``checkpointq <args>`` in a subprocess with this system's settings."""
+        return subprocess.run(
+            [sys.executable, "-m", "worker.cli", *args],
+            cwd=REPO,
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+
+@pytest.fixture
+def system() -> Iterator[System]:
+    """Fresh servers per test (tests stop them); the test starts the worker when it wants."""
+    broker, store = RedisServer().start(), RedisServer().start()
+    values = {
+        **WORKER_SETTINGS,
+        "broker_url": broker.url,
+        "store_url": store.url,
+        "metrics_port": free_port(),
+    }
+    live = System(broker, store, Settings(**values), values)  # type: ignore[arg-type]
+    try:
+        yield live
+    finally:
+        live.stop_worker()
+        broker.cleanup()
+        store.cleanup()
