@@ -70,6 +70,41 @@ def _raw(message: Message) -> bytes:
     return body if isinstance(body, bytes) else str(body).encode("utf-8", "surrogateescape")
 
 
+def _release_slot_when_broker_lost(
+    message: Message, errors: tuple[type[BaseException], ...]
+) -> None:
+    """Free the message's prefetch slot even when its ack or requeue cannot reach Redis.
+
+    kombu's Redis QoS forgets a delivered message only after removing it from the broker's
+    ``unacked`` hash; when the broker is unreachable that removal raises, Celery logs
+    "Couldn't ack", and the slot stays taken for good. Once every slot of the prefetch
+    window is taken that way, the worker never polls the broker again, so it never notices
+    the broker came back: it sits idle with work queued until it is restarted. Forgetting
+    the message locally is safe: if the broker kept its ``unacked`` entry, the visibility
+    timeout redelivers it, and a replayed request is harmless (writes are fenced).
+    """
+    ack, reject = message.ack, message.reject
+
+    def forget() -> None:
+        message.channel.qos._quick_ack(message.delivery_tag)
+
+    def ack_or_forget(multiple: bool = False) -> None:
+        try:
+            ack(multiple=multiple)
+        except errors:
+            forget()
+            raise
+
+    def reject_or_forget(requeue: bool = False) -> None:
+        try:
+            reject(requeue=requeue)
+        except errors:
+            forget()
+            raise
+
+    message.ack, message.reject = ack_or_forget, reject_or_forget
+
+
 class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no type hints
     """Celery's consumer, with every refused message recorded as a dead letter."""
 
@@ -111,6 +146,7 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no 
         limit = runtime.current().max_message_bytes
 
         def on_task_received(message: Message) -> Any:
+            _release_slot_when_broker_lost(message, self.connection_errors)
             size = len(message.body or b"")
             # The task name from the headers only: decoding a protocol 1 body just to label
             # its size is not worth it (those are counted under task "other").
