@@ -1,0 +1,618 @@
+"""The fault suite's harness: load, expected state, verdicts, and the processes under test.
+
+A *load* is a list of save and delete requests over many sessions, each with a distinct
+``seq``. The expected final state follows from the store's contract alone: for each session
+the request with the highest ``seq`` wins, so the session holds that save's checkpoint, or is
+absent when that request was a delete. Every save carries a ``version`` unique in the load,
+so a stored checkpoint names the request that wrote it, and the verdict can tell a *lost*
+request (the winner never applied) from a *regression* (an older save overwrote a newer one).
+
+Requests are pushed as raw Celery envelopes with ``LPUSH`` (what a producer in any language
+does), so the suite can duplicate, shuffle and corrupt them at will. Workers run with
+``-l DEBUG``: every request logs its outcome (``tasks.checkpoints.OutcomeLog``), which is how
+duplicate applications are counted.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from store.base import CheckpointStore
+from store.keys import KeySpace
+from store.redis import RedisStore
+from store.serde import checkpoint_to_wire
+from tasks.dead_letters import DeadLetters
+from tests.support.checkpoints import make_checkpoint
+from tests.support.servers import RedisServer, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+QUEUE = "checkpoints"
+SAVE = "checkpoint.save"
+DELETE = "checkpoint.delete"
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+# -- scale ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Scale:
+    """How big a scenario's load is, and how long its faults last."""
+
+    name: str
+    sessions: int
+    requests: int
+    #: Seconds the store Redis stays down in the outage scenario.
+    store_outage: float
+    #: Seconds the broker stays down while a producer publishes.
+    broker_outage: float
+
+
+QUICK = Scale("quick", sessions=150, requests=1500, store_outage=4.0, broker_outage=3.0)
+LONG = Scale("long", sessions=1000, requests=12000, store_outage=10.0, broker_outage=5.0)
+
+
+def current_scale() -> Scale:
+    """``--long`` (tests/faults/conftest.py) sets CHECKPOINTQ_FAULTS_LONG=1."""
+    return LONG if os.environ.get("CHECKPOINTQ_FAULTS_LONG") == "1" else QUICK
+
+
+# -- load and envelopes ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One save or delete. ``version`` is unique per save in a load (0 for deletes)."""
+
+    kind: str  # SAVE or DELETE
+    session_id: str
+    seq: int
+    version: int = 0
+    task_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    #: Messages in the saved checkpoint's history, and characters per message.
+    messages: int = 2
+    content_size: int = 48
+
+    def args(self) -> tuple[list[Any], dict[str, Any]]:
+        if self.kind == SAVE:
+            size = self.content_size
+            cp = make_checkpoint(self.session_id, self.version, self.messages, size)
+            return [checkpoint_to_wire(cp)], {"seq": self.seq}
+        return [self.session_id], {"seq": self.seq}
+
+    def envelope(self) -> bytes:
+        args, kwargs = self.args()
+        return envelope(self.kind, args, kwargs, task_id=self.task_id)
+
+
+def seq_base() -> int:
+    """A realistic seq origin (µs since the epoch), leaving room for millions of requests."""
+    return time.time_ns() // 1000
+
+
+def generate_load(
+    sessions: int,
+    requests: int,
+    rng: random.Random,
+    *,
+    delete_ratio: float = 0.15,
+    prefix: str = "fault",
+    first_seq: int | None = None,
+    messages: int = 2,
+    content_size: int = 48,
+) -> list[Request]:
+    """``requests`` saves and deletes over ``sessions`` sessions, in seq order."""
+    base = seq_base() if first_seq is None else first_seq
+    ids = [f"{prefix}-{i:05d}" for i in range(sessions)]
+    load: list[Request] = []
+    for i in range(requests):
+        sid = ids[i] if i < sessions else rng.choice(ids)  # every session gets a save first
+        if i >= sessions and rng.random() < delete_ratio:
+            load.append(Request(DELETE, sid, base + i))
+        else:
+            load.append(
+                Request(SAVE, sid, base + i, i + 1, messages=messages, content_size=content_size)
+            )
+    return load
+
+
+def envelope(
+    task: str,
+    args: Any,
+    kwargs: Any,
+    *,
+    task_id: str | None = None,
+    body: bytes | None = None,
+    content_type: str = "application/json",
+    content_encoding: str = "utf-8",
+    headers: dict[str, Any] | None = None,
+    queue: str = QUEUE,
+) -> bytes:
+    """A Celery protocol 2 message as kombu's Redis transport stores it in the list.
+
+    ``body`` replaces the JSON-encoded ``[args, kwargs, embed]`` (for garbage tests).
+    """
+    task_id = task_id or str(uuid.uuid4())
+    if body is None:
+        embed = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
+        body = json.dumps([args, kwargs, embed]).encode()
+    message = {
+        "body": base64.b64encode(body).decode(),
+        "content-encoding": content_encoding,
+        "content-type": content_type,
+        "headers": {
+            "lang": "py",
+            "task": task,
+            "id": task_id,
+            "root_id": task_id,
+            "parent_id": None,
+            "group": None,
+            "retries": 0,
+            "eta": None,
+            "expires": None,
+            "timelimit": [None, None],
+            "argsrepr": "",
+            "kwargsrepr": "",
+            "origin": "faults@test",
+            **(headers or {}),
+        },
+        "properties": {
+            "correlation_id": task_id,
+            "reply_to": "",
+            "delivery_mode": 2,
+            "delivery_info": {"exchange": "", "routing_key": queue},
+            "priority": 0,
+            "body_encoding": "base64",
+            "delivery_tag": str(uuid.uuid4()),
+        },
+    }
+    return json.dumps(message).encode()
+
+
+def push(client: redis.Redis, envelopes: Iterable[bytes], queue: str = QUEUE) -> int:
+    """LPUSH the envelopes in order (kombu pops from the right: first pushed, first run)."""
+    count = 0
+    pipe = client.pipeline(transaction=False)
+    for raw in envelopes:
+        pipe.lpush(queue, raw)
+        count += 1
+        if count % 500 == 0:
+            pipe.execute()
+    pipe.execute()
+    return count
+
+
+# -- expected state and verdict --------------------------------------------------------------
+
+
+def winners(load: Iterable[Request]) -> dict[str, Request]:
+    """For each session, the request with the highest seq (the one the final state shows)."""
+    best: dict[str, Request] = {}
+    for req in load:
+        if req.session_id not in best or req.seq > best[req.session_id].seq:
+            best[req.session_id] = req
+    return best
+
+
+@dataclass
+class Verdict:
+    """How the final store differs from the expected state, counted per session."""
+
+    lost: list[str] = field(default_factory=list)
+    resurrected: list[str] = field(default_factory=list)
+    regressed: list[str] = field(default_factory=list)
+
+    @property
+    def exact(self) -> bool:
+        return not (self.lost or self.resurrected or self.regressed)
+
+
+def judge(store: CheckpointStore, load: Sequence[Request]) -> Verdict:
+    """Compare the store with the expected state of ``load``.
+
+    * lost: the winning request never took effect (fence older than it, or a save missing);
+    * resurrected: the winning delete took effect, yet the session is live again;
+    * regressed: the winner took effect but an older save's checkpoint is what is stored.
+    """
+    by_version = {r.version: r for r in load if r.kind == SAVE}
+    verdict = Verdict()
+    for sid, win in winners(load).items():
+        fence = store.fence(sid)
+        cp = store.load(sid)
+        applied = fence is not None and fence.seq >= win.seq
+        if win.kind == DELETE:
+            if not applied:
+                verdict.lost.append(sid)
+            elif cp is not None:
+                verdict.resurrected.append(sid)
+        elif cp is None or not applied:
+            verdict.lost.append(sid)
+        elif cp.version != win.version:
+            writer = by_version.get(cp.version)
+            if writer is not None and writer.seq < win.seq:
+                verdict.regressed.append(sid)
+            else:
+                verdict.lost.append(sid)
+    return verdict
+
+
+_OUTCOME = re.compile(r"(checkpoint\.(?:save|delete)) -> (\{.*\})\s*$")
+
+
+def applications(logs: Iterable[str]) -> Counter[tuple[str, str, int]]:
+    """How many times each (task, session, seq) was applied, from the workers' DEBUG logs."""
+    counts: Counter[tuple[str, str, int]] = Counter()
+    for text in logs:
+        for line in text.splitlines():
+            match = _OUTCOME.search(line)
+            if match is None:
+                continue
+            try:
+                outcome = ast.literal_eval(match.group(2))
+            except (ValueError, SyntaxError):
+                continue  # a line cut short by a kill -9
+            if outcome.get("outcome") in ("applied", "deleted") and outcome.get("seq") is not None:
+                counts[(match.group(1), str(outcome["session_id"]), int(outcome["seq"]))] += 1
+    return counts
+
+
+def duplicates_applied(logs: Iterable[str]) -> int:
+    """Extra applications of a request already applied (harmless: writes are fenced)."""
+    return sum(n - 1 for n in applications(logs).values() if n > 1)
+
+
+# -- results ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One line of docs/reliability.md, written by a scenario as JSON."""
+
+    scenario: str
+    title: str
+    load: str
+    faults: str
+    lost: int
+    resurrected: int
+    regressed: int
+    dead_lettered: int
+    duplicates_applied: int
+    result: str
+    notes: str = ""
+
+
+def record(row: Row, scale: Scale | None = None) -> Path:
+    """Write the row to tests/faults/results/<scale>/<scenario>.json."""
+    scale = scale or current_scale()
+    target = RESULTS / scale.name / f"{row.scenario}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(asdict(row), indent=2) + "\n")
+    return target
+
+
+# -- processes -------------------------------------------------------------------------------
+
+
+def checkpointq_env(**settings: object) -> dict[str, str]:
+    """This environment without inherited CHECKPOINTQ_*, plus the given settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHECKPOINTQ_")}
+    env.update({f"CHECKPOINTQ_{k.upper()}": str(v) for k, v in settings.items()})
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux /proc)."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of ``pid`` and all its descendants, bytes (0 once gone)."""
+    total = 0
+    for p in [pid, *_descendants(pid)]:
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def _descendants(pid: int) -> list[int]:
+    found: list[int] = []
+    for child in children(pid):
+        found += [child, *_descendants(child)]
+    return found
+
+
+@dataclass
+class Celery:
+    """A ``celery worker`` or ``celery beat`` in its own process group, log to a file."""
+
+    role: str
+    env: dict[str, str]
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cq-fault-")))
+    name: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    process: subprocess.Popen[bytes] | None = None
+    #: Log text of earlier runs of this object (it may be restarted).
+    previous_logs: list[str] = field(default_factory=list)
+
+    @property
+    def logfile(self) -> Path:
+        return self.workdir / f"{self.role}-{self.name}.log"
+
+    def log(self) -> str:
+        return self.logfile.read_text(errors="replace") if self.logfile.exists() else ""
+
+    def logs(self) -> list[str]:
+        return [*self.previous_logs, self.log()]
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, f"{self.role} is not running"
+        return self.process.pid
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self, timeout: float = 60.0) -> Celery:
+        args = [sys.executable, "-m", "celery", "-A", "worker.app", self.role, "-l", "DEBUG"]
+        if self.role == "worker":
+            args += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
+            args += ["-n", f"fault-{self.name}@%h"]
+        else:
+            args += ["--schedule", str(self.workdir / "beat-schedule")]
+        if self.logfile.exists():
+            self.previous_logs.append(self.log())
+            self.logfile.unlink()
+        with self.logfile.open("ab") as out:
+            self.process = subprocess.Popen(
+                args,
+                cwd=self.workdir,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own group: kill -9 reaches the pool children
+            )
+        marker = "ready." if self.role == "worker" else "beat: Starting..."
+        wait_until(
+            lambda: marker in self.log() or not self.running(),
+            timeout=timeout,
+            message=f"celery {self.role} to start",
+        )
+        if not self.running():
+            raise RuntimeError(f"celery {self.role} exited at start:\n{self.log()}")
+        if self.role == "worker":
+            wait_until(lambda: len(children(self.pid)) > 0, message="the worker's pool")
+        return self
+
+    def kill(self) -> None:
+        """``kill -9`` the main process, then its whole group (a container dying)."""
+        process = self.process
+        if process is None:
+            return
+        pids = [process.pid, *_descendants(process.pid)]
+        os.kill(process.pid, signal.SIGKILL)
+        self._kill_group(process)
+        for pid in pids[1:]:
+            _kill_quietly(pid)
+        process.wait(timeout=10)
+        self.process = None
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM (warm, soft shutdown) and wait for the exit; SIGKILL after ``timeout``."""
+        process = self.process
+        assert process is not None
+        process.send_signal(signal.SIGTERM)
+        try:
+            code = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._kill_group(process)
+            code = process.wait(timeout=10)
+        self._kill_group(process)  # no orphaned pool child may outlive the test
+        self.process = None
+        return code
+
+    @staticmethod
+    def _kill_group(process: subprocess.Popen[bytes]) -> None:
+        with contextlib.suppress(ProcessLookupError):  # the group is already gone
+            os.killpg(process.pid, signal.SIGKILL)
+
+    def cleanup(self) -> None:
+        if self.process is not None:
+            if self.process.poll() is None:
+                self.terminate(timeout=15)
+            else:
+                self._kill_group(self.process)
+                self.process = None
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _kill_quietly(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # already exited
+        os.kill(pid, signal.SIGKILL)
+
+
+#: Worker settings shared by the scenarios: quick retries, short visibility timeout.
+BASE_SETTINGS: dict[str, object] = {
+    "queue": QUEUE,
+    "pool": "prefork",
+    "concurrency": 2,
+    "visibility_timeout": 10,
+    "retry_max": 60,
+    "retry_backoff_seconds": 0.1,
+    "retry_backoff_max_seconds": 1.0,
+    "shutdown_timeout_seconds": 5,
+    "tombstone_ttl_seconds": 3600,
+}
+
+
+@dataclass
+class Deployment:
+    """A broker Redis, a store Redis, and the workers and beats of one scenario."""
+
+    broker: RedisServer
+    store_server: RedisServer
+    settings: dict[str, object] = field(default_factory=dict)
+    processes: list[Celery] = field(default_factory=list)
+    _clients: list[Any] = field(default_factory=list)
+    _broker_client: redis.Redis | None = None
+
+    @property
+    def all_settings(self) -> dict[str, object]:
+        return {
+            **BASE_SETTINGS,
+            "broker_url": self.broker.url,
+            "store_url": self.store_server.url,
+            **self.settings,
+        }
+
+    @property
+    def keys(self) -> KeySpace:
+        return KeySpace()
+
+    def env(self) -> dict[str, str]:
+        return checkpointq_env(**self.all_settings)
+
+    def worker(self) -> Celery:
+        proc = Celery("worker", self.env())
+        self.processes.append(proc)
+        return proc.start()
+
+    def beat(self) -> Celery:
+        proc = Celery("beat", self.env())
+        self.processes.append(proc)
+        return proc.start()
+
+    def broker_client(self) -> redis.Redis:
+        """One client of the broker, kept (it reconnects by itself after a restart)."""
+        if self._broker_client is None:
+            self._broker_client = self.broker.client()
+            self._clients.append(self._broker_client)
+        return self._broker_client
+
+    def store_client(self) -> redis.Redis:
+        client = self.store_server.client()
+        self._clients.append(client)
+        return client
+
+    def store(self) -> RedisStore:
+        opened = RedisStore.from_url(self.store_server.url)
+        self._clients.append(opened)
+        return opened
+
+    def dead_letters(self) -> DeadLetters:
+        return DeadLetters(self.store_client(), self.keys)
+
+    def logs(self) -> list[str]:
+        return [text for proc in self.processes for text in proc.logs()]
+
+    def backlog(self) -> int:
+        """Messages waiting in the queue plus messages fetched but not yet acknowledged."""
+        client = self.broker_client()
+        return int(client.llen(QUEUE)) + int(client.hlen("unacked"))
+
+    def settle(self, load: Sequence[Request], timeout: float, *, require: bool = True) -> Verdict:
+        """Wait until the queue is drained and the store shows the expected state.
+
+        With ``require=False`` a timeout is not an error: the verdict then counts what is
+        missing (scenarios that measure a loss rather than forbid it).
+        """
+        store = self.store()
+        verdicts: list[Verdict] = []
+
+        def done() -> bool:
+            if self.backlog():
+                return False
+            verdicts.append(judge(store, load))
+            return verdicts[-1].exact
+
+        try:
+            wait_until(done, timeout=timeout, interval=0.25, message="the expected state")
+        except AssertionError:
+            if require:
+                raise
+        return judge(store, load)
+
+    def cleanup(self) -> None:
+        for proc in self.processes:
+            proc.cleanup()
+        for client in self._clients:
+            client.close()
+
+
+def hold(seconds: float, *, while_: Callable[[], object] | None = None) -> None:
+    """Keep a fault in place for ``seconds`` (fault injection, not synchronisation),
+    calling ``while_`` repeatedly meanwhile if given."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if while_ is not None:
+            while_()
+        time.sleep(0.05)
+
+
+def conclude(
+    deployment: Deployment,
+    verdict: Verdict,
+    *,
+    scenario: str,
+    title: str,
+    load: str,
+    faults: str,
+    notes: str = "",
+    expect_dead: int = 0,
+    passed: bool = True,
+) -> Row:
+    """Count dead letters and duplicate applications, record the row and return it.
+
+    The row's result is "pass" when the verdict is exact, the dead letters are as expected
+    and ``passed`` (the scenario's own extra checks) holds.
+    """
+    dead = deployment.dead_letters().count()
+    ok = verdict.exact and dead == expect_dead and passed
+    row = Row(
+        scenario,
+        title,
+        load,
+        faults,
+        len(verdict.lost),
+        len(verdict.resurrected),
+        len(verdict.regressed),
+        dead,
+        duplicates_applied(deployment.logs()),
+        "pass" if ok else "FAIL",
+        notes,
+    )
+    record(row)
+    return row
+
+
+def describe(scale: Scale, requests: int | None = None, sessions: int | None = None) -> str:
+    return f"{requests or scale.requests} requests / {sessions or scale.sessions} sessions"
