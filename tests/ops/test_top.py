@@ -1,0 +1,186 @@
+"""``checkpointq top`` driven in a pseudo-terminal against a live system, its screen read
+through a terminal emulator (pyte), the way a person would see it."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import select
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pyte
+
+from tests.ops.conftest import System
+from tests.support.checkpoints import make_checkpoint
+from tests.support.servers import wait_until
+from tests.worker.celery_processes import REPO
+
+COLUMNS, ROWS = 120, 60
+
+
+class Terminal:
+    """A program on a pseudo-terminal, and the screen it draws."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLUMNS, 0, 0))
+        self.process = subprocess.Popen(
+            args,
+            cwd=REPO,
+            env={**env, "TERM": "xterm-256color", "COLUMNS": str(COLUMNS), "LINES": str(ROWS)},
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            start_new_session=True,
+        )
+        os.close(slave)
+        self.master = master
+        self.screen = pyte.Screen(COLUMNS, ROWS)
+        self.stream = pyte.ByteStream(self.screen)
+
+    def lines(self) -> list[str]:
+        return [line.rstrip() for line in self.screen.display]
+
+    def wait_for(self, seen: Callable[[list[str]], bool], timeout: float, what: str) -> list[str]:
+        """Read output until the screen satisfies ``seen``; fail after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if seen(self.lines()):
+                return self.lines()
+            ready, _, _ = select.select([self.master], [], [], 0.1)
+            if ready:
+                try:
+                    self.stream.feed(os.read(self.master, 65536))
+                except OSError:  # the program exited and closed the terminal
+                    break
+        screen = "\n".join(self.lines())
+        raise AssertionError(f"the screen never showed {what} within {timeout}s:\n{screen}")
+
+    def interrupt(self, timeout: float = 10) -> int:
+        """Ctrl-C, as a person would stop it; the exit code."""
+        self.process.send_signal(signal.SIGINT)
+        try:
+            return self.process.wait(timeout=timeout)
+        finally:
+            os.close(self.master)
+
+
+@contextmanager
+def top(system: System) -> Iterator[Terminal]:
+    terminal = Terminal(
+        [sys.executable, "-m", "worker.cli", "top", "--interval", "0.2"], system.env()
+    )
+    try:
+        yield terminal
+    finally:
+        if terminal.process.poll() is None:
+            terminal.process.kill()
+            terminal.process.wait()
+
+
+def cells(line: str) -> list[str]:
+    """The cells of a table row drawn with box characters."""
+    return [cell.strip() for cell in line.strip("│ ").split("│")]
+
+
+def row(*expected: str) -> Callable[[list[str]], bool]:
+    """Whether some table row starts with exactly these cells."""
+    return lambda lines: any(cells(line)[: len(expected)] == list(expected) for line in lines)
+
+
+def total(task: str, outcome: str, count: int) -> Callable[[list[str]], bool]:
+    """Whether the throughput table shows ``count`` requests in all for task and outcome."""
+
+    def shown(lines: list[str]) -> bool:
+        rows = [cells(line) for line in lines]
+        return any(r[:2] == [task, outcome] and r[3:4] == [str(count)] for r in rows)
+
+    return shown
+
+
+def field(name: str, shown: str) -> Callable[[list[str]], bool]:
+    """Whether a ``name   value`` line shows ``shown``."""
+    return lambda lines: any(line.split() == [*name.split(), shown] for line in lines)
+
+
+def all_of(*checks: Callable[[list[str]], bool]) -> Callable[[list[str]], bool]:
+    return lambda lines: all(check(lines) for check in checks)
+
+
+def test_top_shows_real_throughput_queue_and_dead_letters_of_a_live_system(
+    system: System,
+) -> None:
+    # Given a live worker that applied 4 saves and 1 delete, and refused 2 poison messages
+    system.start_worker()
+    with system.client() as client:
+        handles = [client.save(make_checkpoint(f"top-{i}")) for i in range(4)]
+        handles.append(client.delete("top-0"))
+        client.send("checkpoint.save", [{"sessionId": "", "version": 1}], {})
+        client.send("checkpoint.frobnicate", [], {})
+        for handle in handles:
+            client.wait_durable(handle, timeout=30)
+    system.wait_drained()
+
+    with top(system) as terminal:
+        # When top runs, it shows those numbers: totals by task and outcome ...
+        terminal.wait_for(
+            all_of(
+                total("save", "applied", 4),
+                total("delete", "deleted", 1),
+                total("save", "dead_lettered", 1),
+                total("other", "dead_lettered", 1),
+                # ... dead letters by reason, and the state in Redis
+                row("invalid_input", "1"),
+                row("unknown_task", "1"),
+                field("dead letters", "2"),
+                field("live sessions", "3"),
+                field("queue depth", "0"),
+                field("workers", "1"),
+            ),
+            timeout=30,
+            what="the load's totals",
+        )
+
+        # When the worker stops and 4 saves wait in the queue
+        system.stop_worker()
+        with system.client() as client:
+            for i in range(4):
+                client.save(make_checkpoint(f"queued-{i}"))
+
+        # Then top shows them queued, the oldest one's age, and no live worker
+        lines = terminal.wait_for(
+            all_of(field("queue depth", "4"), field("workers", "0")),
+            timeout=30,
+            what="the queued requests",
+        )
+        (oldest,) = [line for line in lines if line.startswith("oldest queued")]
+        assert oldest.split()[2:] != ["-"]  # e.g. "oldest queued   350 ms"
+
+        # And Ctrl-C stops it cleanly
+        assert terminal.interrupt() == 0
+
+
+def test_stats_shows_the_numbers_top_shows(system: System) -> None:
+    # Given a worker that applied 2 saves
+    system.start_worker()
+    with system.client() as client:
+        for handle in [client.save(make_checkpoint(f"stats-{i}")) for i in range(2)]:
+            client.wait_durable(handle, timeout=30)
+
+    # Then stats reports them, from the same snapshot top draws
+    def reported() -> bool:
+        result = system.cli("stats")
+        return result.returncode == 0 and "requests save:applied  2" in result.stdout
+
+    wait_until(reported, timeout=30, message="stats to report the saves")
+    text = system.cli("stats").stdout
+    assert "live_sessions          2" in text
+    assert "workers                1" in text
