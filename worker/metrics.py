@@ -233,6 +233,14 @@ def _fold(out: dict[str, Any], name: str, labels: dict[str, str], value: float) 
 class RedisGauges:
     """Gauges read from Redis on each scrape (main process): cheap commands only."""
 
+    #: The families ``collect`` yields (the README lists them).
+    NAMES = (
+        "checkpointq_queue_depth",
+        "checkpointq_dead_letter_depth",
+        "checkpointq_sessions",
+        "checkpointq_redis_up",
+    )
+
     def __init__(self, settings: Settings) -> None:
         resolved = connections.resolve(settings)
         self._queue = resolved.queue

@@ -1,0 +1,78 @@
+"""The operations artefacts agree with the code: compose health checks are real CLI
+invocations, and the README and the Grafana dashboard name only metrics the worker exports."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from worker.cli import cli
+from worker.metrics import RedisGauges, WorkerMetrics
+
+ROOT = Path(__file__).resolve().parents[2]
+_SUFFIXES = ("_bucket", "_sum", "_count", "_created")
+
+
+def exported() -> set[str]:
+    """Every metric name the worker serves (counters with their ``_total``)."""
+    registry = CollectorRegistry()
+    WorkerMetrics(registry)
+    names = set(RedisGauges.NAMES)
+    for family in registry.collect():
+        names.add(f"{family.name}_total" if family.type == "counter" else family.name)
+    return names
+
+
+def _base(name: str) -> str:
+    for suffix in _SUFFIXES:
+        if name.endswith(suffix):
+            return name.removesuffix(suffix)
+    return name
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    loaded = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert isinstance(loaded, dict)
+    return loaded
+
+
+@pytest.mark.parametrize(("service", "option"), [("worker", "--local"), ("beat", "--beat")])
+def test_compose_health_checks_run_checkpointq_health(
+    compose: dict[str, Any], service: str, option: str
+) -> None:
+    test = compose["services"][service]["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "checkpointq", "health"] and option in test
+    # and click accepts the invocation as written
+    cli.commands["health"].make_context("health", list(test[3:]))
+
+
+def test_the_metrics_port_is_exposed_and_flower_is_a_profile(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    worker = services["worker"]
+    assert worker["environment"]["CHECKPOINTQ_METRICS_PORT"] in worker["expose"]
+    flower = services["flower"]
+    assert flower["profiles"] == ["flower"]
+    assert f"--broker={worker['environment']['CHECKPOINTQ_BROKER_URL']}" in flower["command"]
+
+
+def test_the_readme_lists_exactly_the_exported_metrics() -> None:
+    readme = (ROOT / "README.md").read_text()
+    listed = set(re.findall(r"^\| `(checkpointq_[a-z_]+)` \|", readme, re.MULTILINE))
+    assert listed == exported()
+
+
+def test_the_dashboard_queries_only_exported_metrics() -> None:
+    dashboard = json.loads((ROOT / "deploy" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    used = {_base(name) for expr in exprs for name in re.findall(r"checkpointq_[a-z_]+", expr)}
+    known = {_base(name) for name in exported()}
+    assert used and used <= known
+    # and every exported metric appears somewhere on the dashboard
+    assert known <= used
