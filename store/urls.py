@@ -13,7 +13,12 @@ def redact_url(url: str) -> str:
 
     >>> redact_url("redis://:hunter2@cache:6379/0")
     'redis://:***@cache:6379/0'
+
+    Several URLs joined by ``;`` (kombu's failover and Sentinel spelling) are redacted
+    one by one.
     """
+    if ";" in url:
+        return ";".join(redact_url(part) for part in url.split(";"))
     try:
         parts = urlsplit(url)
     except ValueError:

@@ -27,5 +27,7 @@ def redis_unavailable(action: str) -> Iterator[None]:
     """Turn any redis-py error into StoreUnavailable at the boundary (retried, then kept)."""
     try:
         yield
-    except redis_errors.RedisError as exc:
+    # RedisClusterException is not a RedisError: a cluster client raises it while it
+    # relearns the slot map (a failover, or no node answering yet).
+    except (redis_errors.RedisError, redis_errors.RedisClusterException) as exc:
         raise StoreUnavailable(f"{action}: Redis error ({type(exc).__name__}: {exc})") from exc

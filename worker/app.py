@@ -12,10 +12,10 @@ from typing import Any
 
 from celery import Celery
 
-from store.keys import KeySpace
 from store.redis import RedisStore
 from store.urls import redact_url
 from tasks import checkpoints, runtime
+from tasks.brokers import transport_options
 from tasks.client import PUBLISH_RETRY_POLICY
 from tasks.dead_letters import DeadLetters
 from tasks.policy import RetryPolicy
@@ -60,17 +60,17 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # How many messages each process reserves ahead: few, so that a crash redelivers few
         # and a busy worker does not hoard messages others could run.
         "worker_prefetch_multiplier": settings.prefetch_multiplier,
-        "broker_transport_options": {
-            # Redis redelivers an unacknowledged message after this long. It must exceed the
-            # longest task plus the longest retry countdown (settings validate this), or a
-            # message waiting for its retry would be handed to a second worker meanwhile.
-            "visibility_timeout": settings.visibility_timeout,
-            # kombu looks for such messages only every interval x throttle seconds (10 x 10
-            # by default): a crashed worker's messages would wait up to 100 s past the
-            # timeout. Look every tenth of the timeout instead (one ZRANGE, under a mutex).
-            "unacked_restore_interval": max(1, settings.visibility_timeout // 10),
-            "unacked_restore_throttle": 1,
-        },
+        # Per broker kind (tasks/brokers.py): the visibility timeout and how often to look
+        # for expired ones on Redis and Sentinel, the master's name on Sentinel, publisher
+        # confirms on RabbitMQ. RabbitMQ queues stay classic and durable: quorum queues
+        # replicate only across a 3+ node cluster, and Celery's countdown retries on them
+        # need native delayed delivery over topic exchanges (docs/scaling.md).
+        "broker_transport_options": transport_options(
+            settings.broker_url,
+            visibility_timeout=settings.visibility_timeout,
+            sentinel_master=settings.sentinel_master,
+            sentinel_password=settings.sentinel_password,
+        ),
         # Producer side: retry a publish while the broker is briefly unreachable.
         "task_publish_retry": True,
         "task_publish_retry_policy": PUBLISH_RETRY_POLICY,
@@ -114,8 +114,14 @@ def build_runtime(settings: Settings) -> Runtime:
     url = settings.resolved_store_url
     if not url:
         raise MissingBrokerUrl("no store URL: set CHECKPOINTQ_STORE_URL or the broker URL")
-    keys = KeySpace(settings.key_prefix)
-    store = RedisStore.from_url(url, prefix=settings.key_prefix, options=settings.store_options())
+    store = RedisStore.from_url(
+        url,
+        prefix=settings.key_prefix,
+        options=settings.store_options(),
+        shards=settings.store_shards,
+    )
+    # The store's own layout: on a cluster, keys carry hash tags and the index is sharded.
+    keys = store.keys
     logger.info("store %s", store)
     return Runtime(
         store=store,

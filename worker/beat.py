@@ -37,9 +37,11 @@ def beat_config(settings: Settings) -> dict[str, Any]:
             }
         },
         "beat_scheduler": "redbeat.RedBeatScheduler",
-        # Schedule and lock on the store Redis: the broker URL may be a kombu-only spelling
-        # (redis+socket://) that redis-py, which RedBeat uses, does not understand.
-        "redbeat_redis_url": settings.resolved_store_url,
+        # Schedule and lock on a plain Redis: the store's, else (a cluster store, which
+        # RedBeat's pipelines cannot span) the broker's, else CHECKPOINTQ_BEAT_URL
+        # (Settings.resolved_beat_url). Not the broker URL as given: it may be a kombu-only
+        # spelling (redis+socket://) that redis-py, which RedBeat uses, does not understand.
+        "redbeat_redis_url": settings.resolved_beat_url,
         "redbeat_redis_options": {},
         "redbeat_key_prefix": KeySpace(settings.key_prefix).beat_prefix(),
         "redbeat_lock_timeout": int(tick * 6),

@@ -352,7 +352,12 @@ def sweep(as_json: bool) -> None:
     expired = 0
     locked_out = False
     try:
-        due = int(client.zcount(keys.index(), "-inf", int(time.time() * 1000)))
+        # Every shard's index (one on a single Redis), counted in one pipeline.
+        pipe = client.pipeline(transaction=False)
+        now_ms = int(time.time() * 1000)
+        for index in keys.index_keys():
+            pipe.zcount(index, "-inf", now_ms)
+        due = sum(int(count) for count in pipe.execute())
         with click.progressbar(
             length=due, label="sweeping", file=sys.stderr, hidden=as_json or due < SWEEP_BATCH
         ) as bar:

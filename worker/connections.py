@@ -11,8 +11,9 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
+from store.cluster import cluster_client_from_url, is_cluster_url
 from store.errors import CheckpointError
-from store.keys import KeySpace
+from store.keys import ClusterKeySpace, KeySpace
 from store.redis import RedisStore
 from worker.embedded import EmbeddedRedis
 from worker.settings import Settings
@@ -100,13 +101,13 @@ def broker_client(settings: Settings) -> Any:
     )
 
 
-def store_client(settings: Settings) -> Any:
-    """A ``redis.Redis`` on the store Redis (sweep lock, events, dead letters)."""
-    return redis.Redis.from_url(
-        redis_py_url(_required(settings.resolved_store_url)),
-        socket_timeout=CLI_SOCKET_TIMEOUT,
-        socket_connect_timeout=CLI_SOCKET_TIMEOUT,
-    )
+def store_client(settings: Settings, timeout: float = CLI_SOCKET_TIMEOUT) -> Any:
+    """A client of the store Redis (sweep lock, events, dead letters, heartbeats): a
+    ``redis.Redis``, or a ``RedisCluster`` for a cluster URL (which connects at once)."""
+    url = redis_py_url(_required(settings.resolved_store_url))
+    if is_cluster_url(url):
+        return cluster_client_from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    return redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
 
 
 def open_store(settings: Settings) -> RedisStore:
@@ -116,8 +117,13 @@ def open_store(settings: Settings) -> RedisStore:
         prefix=settings.key_prefix,
         options=settings.store_options(),
         socket_timeout=CLI_SOCKET_TIMEOUT,
+        shards=settings.store_shards,
     )
 
 
 def key_space(settings: Settings) -> KeySpace:
+    """The store's key layout: the Go one, or the sharded one on a cluster store."""
+    url = settings.resolved_store_url
+    if url and is_cluster_url(url):
+        return ClusterKeySpace(settings.key_prefix, settings.store_shards)
     return KeySpace(settings.key_prefix)

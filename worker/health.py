@@ -120,11 +120,7 @@ def install(app: Celery, settings: Settings) -> None:
 
         def start(self, consumer: Any) -> None:
             resolved = connections.resolve(settings)
-            client = redis.Redis.from_url(
-                connections.redis_py_url(resolved.resolved_store_url or ""),
-                socket_timeout=1.0,
-                socket_connect_timeout=1.0,
-            )
+            client = connections.store_client(resolved, timeout=1.0)
             heart = Heartbeat(
                 client,
                 connections.key_space(resolved),

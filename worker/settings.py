@@ -13,8 +13,10 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from store.base import StoreOptions
-from store.keys import DEFAULT_PREFIX
+from store.cluster import is_cluster_url
+from store.keys import DEFAULT_PREFIX, DEFAULT_SHARDS
 from store.urls import redact_url
+from tasks.brokers import BrokerKind, broker_kind
 
 DAY = 24 * 60 * 60
 
@@ -28,8 +30,24 @@ class Settings(BaseSettings):
     #: Celery broker URL (redis://, rediss://, unix://). Unset: `checkpointq up` starts an
     #: embedded Redis under ``data_dir`` and every command finds it there.
     broker_url: str | None = None
-    #: Store Redis URL. Unset: the broker's.
+    #: Store Redis URL: ``redis://``, ``rediss://``, ``unix://``, or a Redis Cluster
+    #: (``redis+cluster://host:port[,host:port...]`` or ``...?cluster=true``). Unset: the
+    #: broker's, which only works for a plain Redis broker; required with RabbitMQ or
+    #: Sentinel (``docs/scaling.md``).
     store_url: str | None = None
+    #: Index shards of a cluster store (1..16384; ignored on a single Redis). Part of the
+    #: stored layout: choose it once per deployment, like the key prefix.
+    store_shards: int = Field(default=DEFAULT_SHARDS, ge=1, le=16384)
+    #: Sentinel brokers (``sentinel://host:port;sentinel://host:port``): the master's name
+    #: as the sentinels know it (``sentinel monitor <name> ...``).
+    sentinel_master: str | None = None
+    #: Password of the sentinels themselves, if they require one (the master's goes in the
+    #: broker URL).
+    sentinel_password: str | None = None
+    #: Where beat keeps its schedule and lock (celery-redbeat): a plain Redis URL. Unset:
+    #: the store's, or the broker's when the store is a cluster (RedBeat cannot use one) and
+    #: the broker is a plain Redis.
+    beat_url: str | None = None
     #: Directory of the embedded Redis (socket, AOF files, pid). Default ``./.checkpointq``.
     data_dir: Path = Path(".checkpointq")
     #: Prefix of every store key; the Go store's default, so both sides share data.
@@ -114,9 +132,45 @@ class Settings(BaseSettings):
             raise ValueError("tombstone_ttl_seconds must exceed visibility_timeout")
         return self
 
+    @model_validator(mode="after")
+    def _brokers_fit(self) -> Settings:
+        kind = broker_kind(self.broker_url) if self.broker_url else BrokerKind.REDIS
+        if kind is not BrokerKind.REDIS and not self.store_url:
+            # Only a plain Redis broker can double as the store: an amqp:// or sentinel://
+            # URL handed to RedisStore would fail on the first request, not at start-up.
+            raise ValueError(
+                f"store_url is required with a {kind.value} broker (the store needs a Redis "
+                "URL of its own)"
+            )
+        if kind is BrokerKind.SENTINEL and not self.sentinel_master:
+            raise ValueError("sentinel_master is required with a sentinel:// broker")
+        if self.broker_url and self.resolved_beat_url is None:
+            raise ValueError(
+                "beat_url is required: beat's schedule needs a plain Redis, and neither the "
+                "store (a cluster) nor the broker (not a plain Redis) is one"
+            )
+        return self
+
     @property
     def resolved_store_url(self) -> str | None:
-        return self.store_url or self.broker_url
+        """The store's URL: its own, else the broker's when that is a plain Redis."""
+        if self.store_url:
+            return self.store_url
+        if self.broker_url and broker_kind(self.broker_url) is BrokerKind.REDIS:
+            return self.broker_url
+        return None
+
+    @property
+    def resolved_beat_url(self) -> str | None:
+        """Where RedBeat keeps the schedule: a plain Redis (RedBeat cannot use a cluster)."""
+        if self.beat_url:
+            return self.beat_url
+        store = self.resolved_store_url
+        if store and not is_cluster_url(store):
+            return store
+        if self.broker_url and broker_kind(self.broker_url) is BrokerKind.REDIS:
+            return self.broker_url
+        return None
 
     def store_options(self) -> StoreOptions:
         return StoreOptions(
@@ -129,7 +183,8 @@ class Settings(BaseSettings):
     def describe(self) -> dict[str, object]:
         """The settings as they may be printed or logged: URLs redacted."""
         shown = self.model_dump(mode="json")
-        for name in ("broker_url", "store_url"):
+        shown["sentinel_password"] = "****" if self.sentinel_password else None
+        for name in ("broker_url", "store_url", "beat_url"):
             if shown[name]:
                 shown[name] = redact_url(shown[name])
         return shown
