@@ -1,0 +1,211 @@
+"""Publish Celery protocol 2 messages to a Redis broker ourselves: one LPUSH, no kombu.
+
+Celery's ``send_task`` costs an API server more than writing the checkpoint synchronously
+would (bench/, producer section): it builds the message through several layers, formats a
+1 KB ``argsrepr`` of the checkpoint for a log header, and serialises the arguments once more
+after our size check. This module writes exactly the envelope kombu's Redis transport writes
+(``kombu/transport/redis.py``: ``Channel._put`` LPUSHes the JSON of the message dict that
+``basic_publish`` completed), so the *stock* worker consumes it unchanged
+(``tests/worker/test_fast_publish_e2e.py``):
+
+* the headers and properties ``send_task`` sets, in the same shape; every part that does not
+  change between messages is encoded once per task name, and a message is the join of those
+  byte strings with its ids, the base64 body and short ``argsrepr``/``kwargsrepr``;
+* ``priority`` 0, so the list is the queue itself (kombu suffixes only other priorities);
+* a ``delivery_tag`` and a task id (uuid4) per message, and ``reply_to`` fixed per
+  publisher, as a Celery app's ``oid`` is (nothing replies: there is no result backend).
+
+Only for ``redis://``, ``rediss://``, ``unix://`` and ``redis+socket://`` brokers; any other
+broker (amqp://, sentinel://) goes through Celery (``CheckpointClient`` decides).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import socket
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+import redis
+from redis import exceptions as redis_errors
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from store.urls import redact_url
+from tasks.errors import BrokerUnavailable
+
+#: URL schemes kombu's Redis transport serves (kombu spells unix sockets ``redis+socket``).
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+socket://", "socket://")
+
+#: The ``embed`` part of a protocol 2 body, as ``send_task`` writes it for a plain call.
+EMBED = b'{"callbacks":null,"errbacks":null,"chain":null,"chord":null}'
+
+_RETRYABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError)
+
+
+def supports(broker_url: str) -> bool:
+    """Whether ``broker_url`` names a plain Redis broker this module can publish to."""
+    return broker_url.startswith(REDIS_SCHEMES)
+
+
+def redis_py_url(url: str) -> str:
+    """The broker URL as redis-py spells it (kombu's ``redis+socket://`` is ``unix://``)."""
+    for prefix in ("redis+socket://", "socket://"):
+        if url.startswith(prefix):
+            return "unix://" + url.removeprefix(prefix)
+    return url
+
+
+def body(args_json: bytes, kwargs_json: bytes) -> bytes:
+    """A protocol 2 body, ``[args, kwargs, embed]``, from already-encoded JSON parts."""
+    return b"".join((b"[", args_json, b",", kwargs_json, b",", EMBED, b"]"))
+
+
+class _Template:
+    """The constant byte strings of one task's envelope, between its per-message parts."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, task: str, queue: str, origin: str, reply_to: str) -> None:
+        # Keys in the order send_task's message has them; JSON order does not matter to the
+        # worker, but identical messages are easier to compare in tests and by eye.
+        head = (
+            b'{"body":"',
+            b'","content-encoding":"utf-8","content-type":"application/json","headers":'
+            b'{"lang":"py","task":' + orjson.dumps(task) + b',"id":"',
+            b'","shadow":null,"eta":null,"expires":null,"group":null,"group_index":null,'
+            b'"retries":0,"timelimit":[null,null],"root_id":"',
+            b'","parent_id":null,"argsrepr":',
+            b',"kwargsrepr":',
+            b',"origin":' + orjson.dumps(origin) + b',"ignore_result":null,'
+            b'"replaced_task_nesting":0,"stamped_headers":null,"stamps":{}},'
+            b'"properties":{"correlation_id":"',
+            b'","reply_to":"' + reply_to.encode() + b'","delivery_mode":2,"delivery_info":'
+            b'{"exchange":"","routing_key":' + orjson.dumps(queue) + b'},"priority":0,'
+            b'"body_encoding":"base64","delivery_tag":"',
+            b'"}}',
+        )
+        self.parts = head
+
+    def render(
+        self, body_b64: bytes, task_id: bytes, argsrepr: bytes, kwargsrepr: bytes, tag: bytes
+    ) -> bytes:
+        p = self.parts
+        return b"".join(
+            (
+                p[0], body_b64, p[1], task_id, p[2], task_id, p[3], argsrepr,
+                p[4], kwargsrepr, p[5], task_id, p[6], tag, p[7],
+            )
+        )  # fmt: skip
+
+
+class RedisPublisher:
+    """LPUSH protocol 2 messages onto a Redis broker's queue; safe to share between threads.
+
+    The connection pool is redis-py's, which rebuilds itself in a forked child.
+    """
+
+    def __init__(
+        self,
+        broker_url: str,
+        queue: str,
+        retry_policy: Mapping[str, float],
+        *,
+        socket_timeout: float = 5.0,
+    ) -> None:
+        """Publish to ``queue`` on ``broker_url``; retry as ``retry_policy`` says (kombu's
+        keys: ``max_retries``, ``interval_start``, ``interval_step``, ``interval_max``)."""
+        self.queue = queue
+        self.retry_policy = dict(retry_policy)
+        self._display_url = redact_url(broker_url)
+        # Our own retry loop decides how long a publish may take; redis-py must not retry
+        # underneath it (its default would multiply the wait).
+        self._client = redis.Redis.from_url(
+            redis_py_url(broker_url),
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=socket_timeout,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=30,
+        )
+        self._reply_to = str(uuid.uuid4())
+        self._templates: dict[str, _Template] = {}
+        self._pid = os.getpid()
+
+    def __repr__(self) -> str:
+        return f"RedisPublisher({self._display_url}, queue={self.queue!r})"
+
+    def _template(self, task: str) -> _Template:
+        template = self._templates.get(task)
+        if template is None or self._pid != os.getpid():
+            # ``origin`` names the producing process, as Celery's does: rebuild after a fork.
+            if self._pid != os.getpid():
+                self._templates, self._pid = {}, os.getpid()
+            origin = f"gen{self._pid}@{socket.gethostname()}"
+            template = _Template(task, self.queue, origin, self._reply_to)
+            self._templates[task] = template
+        return template
+
+    def envelope(
+        self, task: str, body_json: bytes, argsrepr: str, kwargsrepr: str, task_id: str
+    ) -> bytes:
+        """The message as the transport stores it (what ``LPUSH <queue>`` receives)."""
+        return self._template(task).render(
+            base64.b64encode(body_json),
+            task_id.encode(),
+            orjson.dumps(argsrepr),
+            orjson.dumps(kwargsrepr),
+            str(uuid.uuid4()).encode(),
+        )
+
+    def publish(self, task: str, body_json: bytes, argsrepr: str, kwargsrepr: str = "{}") -> str:
+        """Push one ``task`` message whose body is ``body_json``; return its task id.
+
+        A publish that fails on a connection error or timeout is retried per the policy; a
+        retried push may land twice, which fenced requests make harmless (Celery's retrying
+        publish has the same property).
+
+        Raises:
+            BrokerUnavailable: the broker stayed unreachable through the retries.
+        """
+        task_id = str(uuid.uuid4())
+        message = self.envelope(task, body_json, argsrepr, kwargsrepr, task_id)
+        self._push(task, message)
+        return task_id
+
+    def publish_many(self, messages: list[bytes]) -> None:
+        """Push ready-made envelopes in one round trip (see ``envelope``)."""
+        self._push("batch", *messages)
+
+    def _push(self, what: str, *messages: bytes) -> None:
+        policy = self.retry_policy
+        retries = int(policy.get("max_retries", 0))
+        interval = float(policy.get("interval_start", 0.0))
+        for attempt in range(retries + 1):
+            try:
+                self._client.lpush(self.queue, *messages)
+                return
+            except _RETRYABLE as exc:
+                if attempt == retries:
+                    raise BrokerUnavailable(
+                        f"could not publish {what} to {self._display_url} after "
+                        f"{retries} retries: {type(exc).__name__}: {exc}"
+                    ) from exc
+            except redis_errors.RedisError as exc:
+                # OOM, READONLY, ...: an operator's problem that a retry within seconds
+                # would not fix; the caller still sees the one broker error.
+                raise BrokerUnavailable(
+                    f"could not publish {what} to {self._display_url}: {type(exc).__name__}: {exc}"
+                ) from exc
+            time.sleep(interval)
+            step, ceiling = float(policy.get("interval_step", 0.5)), policy.get("interval_max", 1)
+            interval = min(interval + step, float(ceiling))
+
+    def ping(self) -> Any:
+        return self._client.ping()
+
+    def close(self) -> None:
+        self._client.close()

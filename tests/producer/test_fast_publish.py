@@ -1,0 +1,175 @@
+"""The fast publish path writes the message Celery's ``send_task`` would, and fails like it."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from typing import Any
+
+import pytest
+import redis
+
+from store import InMemoryStore
+from store.serde import checkpoint_to_wire
+from tasks import fast_publish
+from tasks.client import SAVE, CheckpointClient
+from tasks.errors import BrokerUnavailable
+from tests.support.checkpoints import make_checkpoint
+from tests.support.servers import RedisServer, free_port
+
+QUEUE = "checkpoints"
+
+
+def _messages(client: redis.Redis) -> list[dict[str, Any]]:
+    """The queue's messages, oldest first (the order a worker takes them in)."""
+    return [json.loads(raw) for raw in reversed(client.lrange(QUEUE, 0, -1))]
+
+
+def _body(message: dict[str, Any]) -> Any:
+    return json.loads(base64.b64decode(message["body"]))
+
+
+@pytest.mark.integration
+def test_fast_message_has_the_shape_of_a_send_task_message(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    # Given one save published by our fast path and the same save by Celery's send_task
+    checkpoint = make_checkpoint("shape", version=4)
+    with CheckpointClient(redis_server.url, InMemoryStore(), queue=QUEUE) as client:
+        handle = client.save(checkpoint)
+        stock_id = client._send_task(
+            SAVE, [checkpoint_to_wire(checkpoint)], {"seq": handle.seq}, "[...]", "{...}"
+        )
+    fast, stock = _messages(redis_client)
+    # Then the envelopes have the same fields, with the same values where they do not vary
+    assert fast.keys() == stock.keys()
+    assert fast["headers"].keys() == stock["headers"].keys()
+    assert stock["properties"].keys() - {"argsrepr", "kwargsrepr"} == fast["properties"].keys()
+    varying = {"id", "root_id", "argsrepr", "kwargsrepr"}
+    for name, value in stock["headers"].items():
+        if name not in varying:
+            assert fast["headers"][name] == value, name
+    for name in ("delivery_mode", "delivery_info", "priority", "body_encoding"):
+        assert fast["properties"][name] == stock["properties"][name], name
+    for name in ("content-type", "content-encoding"):
+        assert fast[name] == stock[name]
+    # And the ids and bodies say the same request
+    assert fast["headers"]["id"] == fast["headers"]["root_id"] == handle.task_id
+    assert fast["properties"]["correlation_id"] == handle.task_id
+    assert stock["headers"]["id"] == stock_id
+    assert fast["properties"]["delivery_tag"] != stock["properties"]["delivery_tag"]
+    assert _body(fast) == _body(stock)
+
+
+@pytest.mark.integration
+def test_each_fast_message_has_its_own_task_id_and_delivery_tag(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    with CheckpointClient(redis_server.url, InMemoryStore(), queue=QUEUE) as client:
+        for n in range(5):
+            client.delete(f"s{n}")
+    messages = _messages(redis_client)
+    assert len({m["headers"]["id"] for m in messages}) == 5
+    assert len({m["properties"]["delivery_tag"] for m in messages}) == 5
+    # Oldest first, each with its own increasing seq
+    seqs = [_body(m)[1]["seq"] for m in messages]
+    assert [_body(m)[0] for m in messages] == [[f"s{n}"] for n in range(5)]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 5
+
+
+@pytest.mark.integration
+def test_short_argsrepr_names_the_checkpoint_not_its_content(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    checkpoint = make_checkpoint("repr", version=2, messages=50)
+    with CheckpointClient(redis_server.url, InMemoryStore(), queue=QUEUE) as client:
+        client.save(checkpoint)
+    (message,) = _messages(redis_client)
+    assert message["headers"]["argsrepr"].startswith("[<checkpoint 'repr' v2, ")
+    assert len(message["headers"]["argsrepr"]) < 100
+
+
+def test_publish_to_an_unreachable_broker_raises_broker_unavailable_after_retries(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a publisher of a port nobody listens on, with a short retry policy
+    policy = {"max_retries": 2, "interval_start": 0, "interval_step": 0.05, "interval_max": 0.05}
+    publisher = fast_publish.RedisPublisher(
+        f"redis://127.0.0.1:{free_port()}/0", QUEUE, policy, socket_timeout=1
+    )
+    attempts = 0
+    real_lpush = publisher._client.lpush
+
+    def counting_lpush(*args: Any) -> Any:
+        nonlocal attempts
+        attempts += 1
+        return real_lpush(*args)
+
+    monkeypatch.setattr(publisher._client, "lpush", counting_lpush)
+    # When it publishes, Then it tries once plus two retries and raises BrokerUnavailable
+    with pytest.raises(BrokerUnavailable, match="after 2 retries"):
+        publisher.publish(SAVE, b"[[],{},{}]", "[]")
+    assert attempts == 3
+    publisher.close()
+
+
+@pytest.mark.integration
+def test_publish_survives_a_broker_that_comes_back_within_the_retries(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a broker that is down when the publish starts
+    server = RedisServer()
+    policy = {"max_retries": 40, "interval_start": 0, "interval_step": 0.05, "interval_max": 0.05}
+    publisher = fast_publish.RedisPublisher(server.url, QUEUE, policy, socket_timeout=1)
+    calls = 0
+    real_lpush = publisher._client.lpush
+
+    def lpush_starting_the_server_on_first_failure(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            try:
+                return real_lpush(*args)
+            finally:
+                server.start()  # runs after the refused connection, before the retry
+        return real_lpush(*args)
+
+    monkeypatch.setattr(publisher._client, "lpush", lpush_starting_the_server_on_first_failure)
+    try:
+        # When it publishes, Then the retry delivers the message
+        publisher.publish(SAVE, b"[[],{},{}]", "[]")
+        assert calls >= 2
+        assert server.client().llen(QUEUE) == 1
+    finally:
+        publisher.close()
+        server.cleanup()
+
+
+def test_only_plain_redis_brokers_take_the_fast_path() -> None:
+    assert fast_publish.supports("redis://localhost:6379/0")
+    assert fast_publish.supports("rediss://localhost:6380/0")
+    assert fast_publish.supports("unix:///tmp/redis.sock")
+    assert fast_publish.supports("redis+socket:///tmp/redis.sock")
+    assert not fast_publish.supports("amqp://guest@localhost//")
+    assert not fast_publish.supports("sentinel://localhost:26379")
+    assert fast_publish.redis_py_url("redis+socket:///tmp/r.sock") == "unix:///tmp/r.sock"
+
+
+def test_other_brokers_publish_through_celery() -> None:
+    # Given a client of a broker the fast path does not serve (kombu's in-memory transport)
+    with CheckpointClient("memory://", InMemoryStore(), queue=QUEUE) as client:
+        # When it saves, Then Celery publishes it (no fast publisher was built)
+        assert client._publisher is None
+        handle = client.save(make_checkpoint("via-celery"))
+        assert handle.seq is not None and handle.task_id
+
+
+def test_seq_stamps_keep_increasing_across_fast_publishes() -> None:
+    # time is only read here to bound the seq, never to wait
+    before = time.time_ns() // 1000
+    with CheckpointClient("memory://", InMemoryStore(), queue=QUEUE) as client:
+        handles = [client.delete(f"d{n}") for n in range(3)]
+    seqs = [h.seq or 0 for h in handles]
+    assert all(s >= before for s in seqs)
+    assert seqs == sorted(seqs)
