@@ -30,7 +30,7 @@ from store.model import Checkpoint, validate_session_id
 from store.redis import RedisStore
 from store.serde import checkpoint_from_wire, checkpoint_to_wire, dumps_go, serialize_checkpoint
 from store.urls import redact_url
-from tasks import fast_publish
+from tasks import brokers, fast_publish
 from tasks.errors import BrokerUnavailable
 
 # The task names are the contract (docs/protocol.md); the client does not import the tasks.
@@ -56,6 +56,9 @@ class ClientSettings(Protocol):
     key_prefix: str
     queue: str
     max_message_bytes: int
+    store_shards: int
+    sentinel_master: str | None
+    sentinel_password: str | None
 
     @property
     def resolved_store_url(self) -> str | None: ...
@@ -106,8 +109,15 @@ class CheckpointClient:
         *,
         queue: str = "checkpoints",
         max_message_bytes: int = 8 * 1024 * 1024,
+        transport_options: dict[str, Any] | None = None,
     ) -> None:
-        """Publish to ``broker_url``'s ``queue``; read (and wait on) ``store``."""
+        """Publish to ``broker_url``'s ``queue``; read (and wait on) ``store``.
+
+        ``transport_options`` go to kombu for brokers published to through Celery
+        (``tasks.brokers.transport_options``: confirms on RabbitMQ, the master's name on
+        Sentinel); ``from_settings`` fills them in.
+        """
+        self._transport_options = dict(transport_options or {})
         self.store = store
         self.queue = queue
         self.max_message_bytes = max_message_bytes
@@ -133,6 +143,7 @@ class CheckpointClient:
             task_publish_retry=True,
             task_publish_retry_policy=PUBLISH_RETRY_POLICY,
             broker_connection_retry_on_startup=True,
+            broker_transport_options=self._transport_options,
         )
         return app
 
@@ -147,13 +158,21 @@ class CheckpointClient:
             raise ValueError("no broker URL: set CHECKPOINTQ_BROKER_URL")
         store_url = settings.resolved_store_url or settings.broker_url
         store = RedisStore.from_url(
-            store_url, prefix=settings.key_prefix, options=settings.store_options()
+            store_url,
+            prefix=settings.key_prefix,
+            options=settings.store_options(),
+            shards=settings.store_shards,
         )
         return cls(
             settings.broker_url,
             store,
             queue=settings.queue,
             max_message_bytes=settings.max_message_bytes,
+            transport_options=brokers.transport_options(
+                settings.broker_url,
+                sentinel_master=settings.sentinel_master,
+                sentinel_password=settings.sentinel_password,
+            ),
         )
 
     def __repr__(self) -> str:
