@@ -1,0 +1,176 @@
+"""Scale-out fixtures: RabbitMQ vhosts, Sentinel groups, fleets of workers, broker probes.
+
+Every server is private to the run: Redis and Sentinel processes on free loopback ports,
+and on the machine's RabbitMQ a vhost of our own, created for the session and deleted after
+(other vhosts' queues are never looked at).
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import pytest
+import redis
+
+from tests.support.servers import RedisServer, wait_until
+from tests.worker.celery_processes import CeleryProcess, checkpointq_env
+from worker.settings import Settings
+
+QUEUE = "checkpoints"
+
+#: Worker settings shared by the scale tests: quick retries, the shortest visibility timeout
+#: the settings allow (a message held by a dead broker connection comes back soon).
+WORKER_SETTINGS: dict[str, object] = {
+    "queue": QUEUE,
+    "concurrency": 2,
+    "pool": "prefork",
+    "retry_max": 40,
+    "retry_backoff_seconds": 0.1,
+    "retry_backoff_max_seconds": 0.5,
+    "visibility_timeout": 10,
+    "max_message_bytes": 64 * 1024,
+    "shutdown_timeout_seconds": 2,
+}
+
+RABBIT_HOST, RABBIT_PORT = "127.0.0.1", 5672
+
+
+class BrokerProbe(Protocol):
+    """Counts the messages a broker still holds for the queue: ready plus unacknowledged."""
+
+    def pending(self) -> int: ...
+
+
+@dataclass
+class RedisQueueProbe:
+    """A Redis broker: the queue list plus kombu's ``unacked`` hash (held by workers, and
+    retries waiting for their countdown)."""
+
+    client_factory: Any  # () -> redis.Redis on the current broker master
+
+    def pending(self) -> int:
+        client = self.client_factory()
+        try:
+            return int(client.llen(QUEUE)) + int(client.hlen("unacked"))
+        finally:
+            client.close()
+
+
+@dataclass
+class RabbitVhost:
+    """A vhost of our own on the machine's RabbitMQ, managed with ``rabbitmqctl``."""
+
+    name: str = field(default_factory=lambda: f"cq-test-{uuid.uuid4().hex[:10]}")
+
+    @property
+    def url(self) -> str:
+        return f"amqp://guest:guest@{RABBIT_HOST}:{RABBIT_PORT}/{self.name}"
+
+    def create(self) -> RabbitVhost:
+        _rabbitmqctl("add_vhost", self.name)
+        _rabbitmqctl("set_permissions", "-p", self.name, "guest", ".*", ".*", ".*")
+        return self
+
+    def delete(self) -> None:
+        _rabbitmqctl("delete_vhost", self.name)
+
+    def pending(self) -> int:
+        """Ready plus unacknowledged messages of our queue (0 before it exists)."""
+        out = _rabbitmqctl(
+            "list_queues", "-p", self.name, "-q", "--no-table-headers", "name", "messages"
+        )
+        for line in out.splitlines():
+            name, _, count = line.strip().partition("\t")
+            if name == QUEUE:
+                return int(count)
+        return 0
+
+
+def _rabbitmqctl(*args: str) -> str:
+    done = subprocess.run(
+        ["rabbitmqctl", *args], check=True, capture_output=True, text=True, timeout=60
+    )
+    return done.stdout
+
+
+def rabbitmq_available() -> bool:
+    if shutil.which("rabbitmqctl") is None:
+        return False
+    try:
+        with socket.create_connection((RABBIT_HOST, RABBIT_PORT), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+@dataclass
+class Fleet:
+    """``CeleryProcess`` workers (and perhaps a beat) sharing one set of settings."""
+
+    settings: Settings
+    env: dict[str, str]
+    processes: list[CeleryProcess] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, **values: object) -> Fleet:
+        values = {**WORKER_SETTINGS, **values}
+        return cls(Settings(**values), checkpointq_env(**values))  # type: ignore[arg-type]
+
+    def start_workers(self, count: int = 1) -> Fleet:
+        for _ in range(count):
+            self.processes.append(CeleryProcess("worker", self.env).start(timeout=60))
+        return self
+
+    def start_beat(self) -> Fleet:
+        self.processes.append(CeleryProcess("beat", self.env).start(timeout=60))
+        return self
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.role} {i} ---\n{p.log()}" for i, p in enumerate(self.processes))
+
+    def stop(self) -> None:
+        codes = [process.stop() for process in self.processes]
+        print(f"--- fleet exit codes {codes} ---\n{self.logs()}")
+
+
+def wait_drained(probe: BrokerProbe, timeout: float = 30.0) -> None:
+    """Until the broker holds nothing for the queue, ready or unacknowledged."""
+    wait_until(
+        lambda: probe.pending() == 0,
+        timeout=timeout,
+        interval=0.1,
+        message="the workers to drain the queue",
+    )
+
+
+@pytest.fixture(scope="session")
+def rabbit_vhost() -> Iterator[RabbitVhost]:
+    if not rabbitmq_available():
+        pytest.skip("no RabbitMQ on 127.0.0.1:5672 (or no rabbitmqctl)")
+    vhost = RabbitVhost().create()
+    try:
+        yield vhost
+    finally:
+        vhost.delete()
+
+
+@pytest.fixture(scope="module")
+def store_server() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def store_client(store_server: RedisServer) -> Iterator[redis.Redis]:
+    """The module's store Redis, emptied before the test."""
+    client = store_server.client()
+    client.flushall()
+    yield client
+    client.close()

@@ -1,0 +1,106 @@
+"""End to end with RabbitMQ as the broker: the same tasks, the same guarantees.
+
+A vhost of our own on the machine's RabbitMQ (deleted afterwards), a private store Redis,
+one real prefork worker for the module.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+from kombu import Connection, Exchange, Producer
+
+from store.keys import KeySpace
+from store.serde import checkpoint_to_wire
+from tasks.client import DELETE, SAVE, CheckpointClient
+from tasks.dead_letters import DeadLetters, Reason
+from tests.scale.conftest import QUEUE, Fleet, RabbitVhost, wait_drained
+from tests.scale.load import all_applied, expected_state, mismatches, mixed_load
+from tests.support.checkpoints import make_checkpoint
+from tests.support.servers import RedisServer, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def fleet(rabbit_vhost: RabbitVhost, store_server: RedisServer) -> Iterator[Fleet]:
+    fleet = Fleet.of(broker_url=rabbit_vhost.url, store_url=store_server.url)
+    try:
+        yield fleet.start_workers(1)
+    finally:
+        fleet.stop()
+
+
+@pytest.fixture
+def client(fleet: Fleet, store_client: redis.Redis) -> Iterator[CheckpointClient]:
+    with CheckpointClient.from_settings(fleet.settings) as client:
+        yield client
+
+
+def test_client_publishes_with_confirms_over_celery(client: CheckpointClient) -> None:
+    # Given a client built from RabbitMQ settings
+    # Then it publishes through Celery with publisher confirms on
+    assert client._app is not None
+    assert client._app.conf.broker_transport_options == {"confirm_publish": True}
+
+
+def test_saves_and_deletes_through_the_client_are_applied(client: CheckpointClient) -> None:
+    # Given saves of three sessions and a delete of one, through a RabbitMQ broker
+    handles = [client.save(make_checkpoint(f"amqp-{i}", version=i + 1)) for i in range(3)]
+    deleted = client.delete("amqp-1")
+    # Then each becomes durable, in the store the worker writes
+    for handle in [*handles, deleted]:
+        client.wait_durable(handle, timeout=20)
+    assert client.load("amqp-1") is None
+    assert [client.load(f"amqp-{i}").version for i in (0, 2)] == [1, 3]  # type: ignore[union-attr]
+    assert sorted(client.list()) == ["amqp-0", "amqp-2"]
+
+
+def test_duplicated_out_of_order_requests_end_at_the_highest_seq(
+    client: CheckpointClient, rabbit_vhost: RabbitVhost
+) -> None:
+    # Given every request of a mixed load sent twice, in shuffled order, with its own seq
+    load = mixed_load("amqp-mix", sessions=20, per_session=5, seed=7)
+    for request in load:
+        if request.is_delete:
+            client.send(DELETE, [request.session_id], {"seq": request.seq})
+        else:
+            wire = checkpoint_to_wire(make_checkpoint(request.session_id, version=request.version))
+            client.send(SAVE, [wire], {"seq": request.seq})
+    # When the worker has run them all
+    expected = expected_state(load)
+    wait_until(lambda: all_applied(client.store, expected), timeout=30, message="load applied")
+    wait_drained(rabbit_vhost)
+    # Then per session the highest seq won, and deleted sessions stay deleted
+    assert mismatches(client.store, expected) == []
+
+
+def test_poison_messages_are_dead_lettered_and_the_worker_carries_on(
+    client: CheckpointClient, fleet: Fleet, rabbit_vhost: RabbitVhost, store_client: redis.Redis
+) -> None:
+    letters = DeadLetters(store_client, KeySpace(fleet.settings.key_prefix))
+    # Given a body that is not JSON, published raw to the queue's exchange ...
+    with Connection(rabbit_vhost.url) as connection:
+        producer = Producer(connection.default_channel, exchange=Exchange(QUEUE, "direct"))
+        producer.publish(
+            b"{not json",
+            routing_key=QUEUE,
+            content_type="application/json",
+            content_encoding="utf-8",
+            headers={"task": SAVE, "id": str(uuid.uuid4())},
+        )
+    # ... a task nobody knows, and a save of an invalid checkpoint
+    client.send("checkpoint.no_such_task", ["x"], {})
+    client.send(SAVE, [{"sessionId": "", "version": 1}], {"seq": 5})
+    # and a good save after them
+    handle = client.save(make_checkpoint("amqp-after-poison"))
+    # Then the good save is applied, and each poison message is a dead letter
+    client.wait_durable(handle, timeout=20)
+    wait_until(lambda: letters.count() == 3, timeout=20, message="three dead letters")
+    kinds = sorted(entry.kind for entry in letters.list().entries)
+    assert kinds == sorted([Reason.UNDECODABLE, Reason.UNKNOWN_TASK, Reason.INVALID_INPUT])
+    # and nothing stays in the queue for redelivery
+    wait_drained(rabbit_vhost)
