@@ -3,7 +3,17 @@
 This package knows nothing of Celery; the worker and the producer client build on it.
 """
 
-from store.base import CheckpointStore, Fence, Page, SaveResult, StoreOptions
+from store.base import (
+    BatchOp,
+    BatchResult,
+    CheckpointStore,
+    DeleteOp,
+    Fence,
+    Page,
+    SaveOp,
+    SaveResult,
+    StoreOptions,
+)
 from store.errors import (
     CheckpointError,
     CheckpointTooLarge,
@@ -21,6 +31,8 @@ from store.serde import checkpoint_from_wire, deserialize_checkpoint, serialize_
 
 __all__ = [
     "DEFAULT_PREFIX",
+    "BatchOp",
+    "BatchResult",
     "Checkpoint",
     "CheckpointError",
     "CheckpointMetadata",
@@ -28,6 +40,7 @@ __all__ = [
     "CheckpointTooLarge",
     "ConversationMessage",
     "CorruptCheckpoint",
+    "DeleteOp",
     "Fence",
     "InMemoryStore",
     "InvalidCheckpoint",
@@ -36,6 +49,7 @@ __all__ = [
     "KeySpace",
     "Page",
     "RedisStore",
+    "SaveOp",
     "SaveResult",
     "StoreOptions",
     "StoreUnavailable",

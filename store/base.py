@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from store.codec import DEFAULT_MAX_DECOMPRESSED, ValueCodec
@@ -96,6 +96,29 @@ class EncodedCheckpoint:
     trimmed: int
 
 
+@dataclass(frozen=True, slots=True)
+class SaveOp:
+    """One save of a batch (``CheckpointStore.apply_batch``)."""
+
+    checkpoint: Checkpoint
+    seq: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteOp:
+    """One delete of a batch (``CheckpointStore.apply_batch``)."""
+
+    session_id: str
+    seq: int | None = None
+
+
+BatchOp = SaveOp | DeleteOp
+
+#: What one item of a batch did: a save's result, a delete's ``applied`` flag, or the
+#: invalid input that refused it (the other items still apply).
+BatchResult = SaveResult | bool | InvalidInput
+
+
 def validate_seq(seq: object) -> int:
     """Return ``seq`` if it is a valid ordering key, else raise InvalidInput."""
     if isinstance(seq, bool) or not isinstance(seq, int):
@@ -153,6 +176,28 @@ class CheckpointStore(abc.ABC):
     @abc.abstractmethod
     def expire_stale(self, now: float | None = None, limit: int = 1000) -> list[str]:
         """Remove up to ``limit`` sessions whose deadline has passed; return their ids."""
+
+    def apply_batch(self, ops: Sequence[BatchOp]) -> list[BatchResult]:
+        """Apply saves and deletes in order, each fenced by its own ``seq`` as if alone.
+
+        An item the store refuses (``InvalidInput``, e.g. ``CheckpointTooLarge``) gets its
+        exception as its result and the others still apply. This version applies one item
+        after another; stores override it to apply a batch in one round trip.
+
+        Raises:
+            StoreUnavailable: the store failed; some items may have applied. Applying the
+                whole batch again is safe: every item is fenced.
+        """
+        results: list[BatchResult] = []
+        for op in ops:
+            try:
+                if isinstance(op, SaveOp):
+                    results.append(self.save(op.checkpoint, op.seq))
+                else:
+                    results.append(self.delete(op.session_id, op.seq))
+            except InvalidInput as exc:
+                results.append(exc)
+        return results
 
     def close(self) -> None:  # noqa: B027 - optional hook, most stores hold nothing
         """Release connections; the store is unusable afterwards."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -22,7 +22,18 @@ import redis
 from redis import exceptions as redis_errors
 from redis.cluster import RedisCluster
 
-from store.base import CheckpointStore, Clock, Fence, Page, SaveResult, StoreOptions
+from store.base import (
+    BatchOp,
+    BatchResult,
+    CheckpointStore,
+    Clock,
+    EncodedCheckpoint,
+    Fence,
+    Page,
+    SaveOp,
+    SaveResult,
+    StoreOptions,
+)
 from store.cluster import cluster_client_from_url, is_cluster_url
 from store.codec import CodecError
 from store.errors import CorruptCheckpoint, InvalidCheckpoint, InvalidInput, StoreUnavailable
@@ -192,6 +203,52 @@ class RedisStore(CheckpointStore):
                 args=[seq, _ms(self.options.tombstone_ttl_seconds), session_id],
             )
         return bool(applied)
+
+    def apply_batch(self, ops: Sequence[BatchOp]) -> list[BatchResult]:
+        """Apply the batch in one pipelined round trip: one save or delete script per item,
+        in order (Redis runs them one by one, so each is as atomic and fenced as alone).
+
+        Items are validated and encoded first; one the store refuses gets its
+        ``InvalidInput`` as its result and is not sent.
+        """
+        results: list[BatchResult | None] = []
+        finish: list[Callable[[Any], BatchResult]] = []
+        opts = self.options
+        ttl_ms = _ms(opts.ttl_seconds)
+        fence_ttl_ms = ttl_ms + _ms(opts.tombstone_ttl_seconds)
+        tombstone_ms = _ms(opts.tombstone_ttl_seconds)
+        deadline = _ms(self.clock()) + ttl_ms
+        pipe = self.client.pipeline(transaction=False)
+        for op in ops:
+            try:
+                if isinstance(op, SaveOp):
+                    seq = self.resolve_seq(op.seq)
+                    cp = op.checkpoint
+                    encoded = self.encode(cp)
+                    keys = self.keys.session(cp.session_id).as_list()
+                    args = [seq, encoded.value, ttl_ms, deadline, fence_ttl_ms, cp.session_id]
+                    queue(self.scripts.save, pipe, keys, args)
+                    finish.append(
+                        _save_result(self.ref(cp.session_id, cp.version), cp, seq, encoded)
+                    )
+                else:
+                    self.check_session_id(op.session_id)
+                    seq = self.resolve_seq(op.seq)
+                    keys = self.keys.session(op.session_id).as_list()
+                    queue(self.scripts.delete, pipe, keys, [seq, tombstone_ms, op.session_id])
+                    finish.append(bool)
+                results.append(None)
+            except InvalidInput as exc:
+                results.append(exc)
+        if finish:
+            with _store_errors(f"apply a batch of {len(finish)}"):
+                replies = iter(pipe.execute())
+        else:
+            replies = iter(())
+        finishers = iter(finish)
+        return [
+            result if result is not None else next(finishers)(next(replies)) for result in results
+        ]
 
     def refresh(self, session_id: str) -> bool:
         self.check_session_id(session_id)
@@ -365,6 +422,21 @@ class RedisStore(CheckpointStore):
 
     def close(self) -> None:
         self.client.close()
+
+
+def _save_result(
+    ref: str, cp: Checkpoint, seq: int, encoded: EncodedCheckpoint
+) -> Callable[[Any], SaveResult]:
+    """Turn save.lua's reply into the ``SaveResult`` that ``save`` would have returned."""
+
+    def finish(applied: Any) -> SaveResult:
+        if not applied:
+            return SaveResult(ref, False, cp.session_id, cp.version, seq)
+        return SaveResult(
+            ref, True, cp.session_id, cp.version, seq, encoded.trimmed, len(encoded.value)
+        )
+
+    return finish
 
 
 def _chunks(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
