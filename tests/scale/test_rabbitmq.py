@@ -11,7 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from kombu import Connection, Exchange, Producer
+from kombu.connection import Connection
+from kombu.entity import Exchange
+from kombu.messaging import Producer
 
 from store.keys import KeySpace
 from store.serde import checkpoint_to_wire
@@ -65,7 +67,7 @@ def test_duplicated_out_of_order_requests_end_at_the_highest_seq(
     # Given every request of a mixed load sent twice, in shuffled order, with its own seq
     load = mixed_load("amqp-mix", sessions=20, per_session=5, seed=7)
     for request in load:
-        if request.is_delete:
+        if request.version is None:
             client.send(DELETE, [request.session_id], {"seq": request.seq})
         else:
             wire = checkpoint_to_wire(make_checkpoint(request.session_id, version=request.version))
@@ -83,9 +85,11 @@ def test_poison_messages_are_dead_lettered_and_the_worker_carries_on(
 ) -> None:
     letters = DeadLetters(store_client, KeySpace(fleet.settings.key_prefix))
     # Given a body that is not JSON, published raw to the queue's exchange ...
-    with Connection(rabbit_vhost.url) as connection:
-        producer = Producer(connection.default_channel, exchange=Exchange(QUEUE, "direct"))
-        producer.publish(
+    with Connection(rabbit_vhost.url) as connection:  # type: ignore[no-untyped-call]
+        exchange = Exchange(QUEUE, "direct")  # type: ignore[no-untyped-call]  # kombu: no hints
+        channel = connection.default_channel
+        producer = Producer(channel, exchange=exchange)  # type: ignore[no-untyped-call]
+        producer.publish(  # type: ignore[no-untyped-call]
             b"{not json",
             routing_key=QUEUE,
             content_type="application/json",

@@ -96,7 +96,9 @@ class SentinelGroup:
         try:
             self.master = RedisServer().start()
             for _ in range(self.replicas):
-                replica = RedisServer(extra_args=["--replicaof", "127.0.0.1", str(self.master.port)])
+                replica = RedisServer(
+                    extra_args=["--replicaof", "127.0.0.1", str(self.master.port)]
+                )
                 self.replica_servers.append(replica.start())
             quorum = self.sentinels // 2 + 1
             for _ in range(self.sentinels):
@@ -125,24 +127,42 @@ class SentinelGroup:
         return next(server for server in self.servers() if server.port == port)
 
     def is_ready(self) -> bool:
-        for replica in self.replica_servers:
-            probe = replica.client()
+        """Every running server but the master replicates it, and every sentinel knows
+        the replicas and the other sentinels."""
+        master = self.current_master()
+        for server in self.servers():
+            if server is master or server.process is None:
+                continue
+            probe = server.client()
             try:
-                if probe.info("replication").get("master_link_status") != "up":
-                    return False
+                info = probe.info("replication")
             finally:
                 probe.close()
+            if info.get("role") != "slave" or info.get("master_link_status") != "up":
+                return False
+            if int(info.get("master_port", 0)) != master.port:
+                return False
         for sentinel in self.sentinel_processes:
             probe = sentinel.client()
             try:
                 state: Any = probe.sentinel_master(MASTER_NAME)
             finally:
                 probe.close()
-            if int(state["num-slaves"]) < self.replicas:
+            if int(state["port"]) != master.port or int(state["num-slaves"]) < self.replicas:
                 return False
             if int(state["num-other-sentinels"]) < self.sentinels - 1:
                 return False
         return True
+
+    def fail_master(self) -> RedisServer:
+        """``kill -9`` the master; return it (``start()`` it again to rejoin as a replica)."""
+        master = self.current_master()
+        master.stop(kill=True)
+        return master
+
+    def promoted(self, old: RedisServer) -> bool:
+        """Whether every sentinel names a master other than ``old``."""
+        return all(s.master_port() not in (None, old.port) for s in self.sentinel_processes)
 
     def cleanup(self) -> None:
         for sentinel in self.sentinel_processes:
