@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -129,7 +130,7 @@ def test_concurrent_sweeps_expire_each_session_once(
     wait_drained(RedisQueueProbe(broker_server.client), timeout=60)
     wait_until(lambda: store_client.zcard(keys.index()) == 0, timeout=30, message="swept")
     # Then each session was expired, and announced, exactly once
-    events = store_client.xrange(keys.events())
+    events: Any = store_client.xrange(keys.events())
     expired = Counter(
         fields[b"session_id"].decode() for _, fields in events if fields[b"type"] == b"expired"
     )
