@@ -6,6 +6,7 @@ Task names are the message contract (see docs/protocol.md) and never change:
     checkpoint.delete(session_id: str, seq: int | None = None)
     checkpoint.refresh(session_id: str)
     checkpoint.expire_stale()
+    checkpoint.apply_batch(items: list)   (tasks/batch.py)
 
 Policy lives in ``CheckpointTask.__call__`` and the helpers below, not in the task bodies:
 bad input (``store.InvalidInput``, wrong arguments) is dead-lettered at once; an unavailable
@@ -28,7 +29,7 @@ from store.base import validate_seq
 from store.errors import InvalidInput, StoreUnavailable
 from store.model import validate_session_id
 from store.serde import checkpoint_from_wire
-from tasks import observers, runtime
+from tasks import batch, observers, runtime
 from tasks.dead_letters import Reason
 from tasks.sweep import sweep
 
@@ -241,3 +242,5 @@ def register(app: Celery) -> None:
         (EXPIRE_STALE, expire_stale),
     ):
         app.task(name=name, base=CheckpointTask)(fn)
+    # Bound: it dead-letters its bad items itself, under the batch's task id.
+    app.task(name=batch.APPLY_BATCH, base=CheckpointTask, bind=True)(batch.apply_batch)

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import orjson
 from celery import Celery
 from kombu.exceptions import OperationalError
 
@@ -28,7 +29,7 @@ from store.base import CheckpointStore, Fence, StoreOptions
 from store.errors import InvalidInput
 from store.model import Checkpoint, validate_session_id
 from store.redis import RedisStore
-from store.serde import checkpoint_from_wire, checkpoint_to_wire, dumps_go, serialize_checkpoint
+from store.serde import checkpoint_from_wire, dumps_go, serialize_checkpoint
 from store.urls import redact_url
 from tasks import brokers, fast_publish
 from tasks.errors import BrokerUnavailable
@@ -92,6 +93,12 @@ class _SeqClock:
 
 
 _seq_clock = _SeqClock()
+
+
+def next_seq() -> int:
+    """A fresh ``seq`` for a request made now (strictly increasing within this process)."""
+    return _seq_clock.next()
+
 
 # Celery puts a repr of the arguments (up to 1 KB, built by walking all of them) in every
 # message's headers for logs and Flower; a few dozen characters say as much.
@@ -188,26 +195,31 @@ class CheckpointClient:
             InvalidInput: the request would exceed ``max_message_bytes``.
             BrokerUnavailable: the broker stayed unreachable through the publish retries.
         """
+        cp, document = self.encode(checkpoint)
+        seq = _seq_clock.next()
+        argsrepr = f"[<checkpoint {cp.session_id!r} v{cp.version}, {len(document)} bytes>]"
+        kwargsrepr = f"{{'seq': {seq}}}"
+        body = fast_publish.body(b"[" + document + b"]", b'{"seq":%d}' % seq)
+        task_id = self.send_encoded(SAVE, body, argsrepr, kwargsrepr)
+        return Handle(task_id, SAVE, cp.session_id, seq)
+
+    def encode(self, checkpoint: Checkpoint | dict[str, Any]) -> tuple[Checkpoint, bytes]:
+        """Validate ``checkpoint`` and serialise it once: the Go JSON that both the size
+        check and the message carry.
+
+        Raises:
+            InvalidCheckpoint: not a valid checkpoint.
+            InvalidInput: its JSON exceeds ``max_message_bytes``.
+        """
         cp = checkpoint if isinstance(checkpoint, Checkpoint) else checkpoint_from_wire(checkpoint)
-        # Serialised once: these bytes are both the size we check and the message's argument.
         document = serialize_checkpoint(cp)
-        size = len(document)
-        if size > self.max_message_bytes:
+        if len(document) > self.max_message_bytes:
             raise InvalidInput(
-                f"checkpoint is {size} bytes as JSON; the limit is {self.max_message_bytes}",
+                f"checkpoint is {len(document)} bytes as JSON; the limit is "
+                f"{self.max_message_bytes}",
                 field="checkpoint",
             )
-        seq = _seq_clock.next()
-        argsrepr = f"[<checkpoint {cp.session_id!r} v{cp.version}, {size} bytes>]"
-        kwargsrepr = f"{{'seq': {seq}}}"
-        if (publisher := self._publisher) is not None:
-            body = fast_publish.body(b"[" + document + b"]", b'{"seq":%d}' % seq)
-            task_id = publisher.publish(SAVE, body, argsrepr, kwargsrepr)
-        else:
-            task_id = self._send_task(
-                SAVE, [checkpoint_to_wire(cp)], {"seq": seq}, argsrepr, kwargsrepr
-            )
-        return Handle(task_id, SAVE, cp.session_id, seq)
+        return cp, document
 
     def delete(self, session_id: str) -> Handle:
         """Enqueue a delete stamped with a fresh ``seq``; return at once."""
@@ -236,8 +248,35 @@ class CheckpointClient:
             return publisher.publish(task, body, argsrepr, kwargsrepr)
         return self._send_task(task, args, kwargs, argsrepr, kwargsrepr)
 
+    def send_encoded(
+        self,
+        task: str,
+        body: bytes,
+        argsrepr: str,
+        kwargsrepr: str = "{}",
+        task_id: str | None = None,
+    ) -> str:
+        """Publish ``task`` with a ready-made protocol 2 body (``fast_publish.body``).
+
+        On a Redis broker the bytes go out as they are; other brokers get them decoded and
+        published through Celery (which encodes them again).
+
+        Raises:
+            BrokerUnavailable: the broker stayed unreachable through the publish retries.
+        """
+        if (publisher := self._publisher) is not None:
+            return publisher.publish(task, body, argsrepr, kwargsrepr, task_id=task_id)
+        args, kwargs, _embed = orjson.loads(body)
+        return self._send_task(task, args, kwargs, argsrepr, kwargsrepr, task_id=task_id)
+
     def _send_task(
-        self, task: str, args: list[Any], kwargs: dict[str, Any], argsrepr: str, kwargsrepr: str
+        self,
+        task: str,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        argsrepr: str,
+        kwargsrepr: str,
+        task_id: str | None = None,
     ) -> str:
         if self._app is None:
             self._app = self._celery_app()
@@ -251,6 +290,7 @@ class CheckpointClient:
                 retry_policy=PUBLISH_RETRY_POLICY,
                 argsrepr=argsrepr,
                 kwargsrepr=kwargsrepr,
+                task_id=task_id,
             )
         except OperationalError as exc:
             raise BrokerUnavailable(

@@ -161,7 +161,14 @@ class RedisPublisher:
             str(uuid.uuid4()).encode(),
         )
 
-    def publish(self, task: str, body_json: bytes, argsrepr: str, kwargsrepr: str = "{}") -> str:
+    def publish(
+        self,
+        task: str,
+        body_json: bytes,
+        argsrepr: str,
+        kwargsrepr: str = "{}",
+        task_id: str | None = None,
+    ) -> str:
         """Push one ``task`` message whose body is ``body_json``; return its task id.
 
         A publish that fails on a connection error or timeout is retried per the policy; a
@@ -171,22 +178,18 @@ class RedisPublisher:
         Raises:
             BrokerUnavailable: the broker stayed unreachable through the retries.
         """
-        task_id = str(uuid.uuid4())
+        task_id = task_id or str(uuid.uuid4())
         message = self.envelope(task, body_json, argsrepr, kwargsrepr, task_id)
         self._push(task, message)
         return task_id
 
-    def publish_many(self, messages: list[bytes]) -> None:
-        """Push ready-made envelopes in one round trip (see ``envelope``)."""
-        self._push("batch", *messages)
-
-    def _push(self, what: str, *messages: bytes) -> None:
+    def _push(self, what: str, message: bytes) -> None:
         policy = self.retry_policy
         retries = int(policy.get("max_retries", 0))
         interval = float(policy.get("interval_start", 0.0))
         for attempt in range(retries + 1):
             try:
-                self._client.lpush(self.queue, *messages)
+                self._client.lpush(self.queue, message)
                 return
             except _RETRYABLE as exc:
                 if attempt == retries:

@@ -1,0 +1,151 @@
+"""``checkpoint.apply_batch(items)``: many saves and deletes in one message, one round trip.
+
+Opt-in for producers that coalesce requests (``tasks.batching.BatchingClient``). ``items`` is
+an ordered list; each item is what a single request would carry::
+
+    {"op": "save", "checkpoint": {...}, "seq": 1733130000000000}
+    {"op": "delete", "session_id": "sess-42", "seq": 1733130000000001}
+
+Every item keeps its own fence (``CheckpointStore.apply_batch``), so a batch ends exactly
+as its items applied one by one, in order. A bad item (invalid checkpoint, id or seq, an
+unknown op, a checkpoint too large to store) is dead-lettered alone, as the single request
+it stands for (so that ``dlq replay`` re-sends just that request), and the others apply. An
+unavailable store fails the whole message, which ``CheckpointTask`` retries as a whole:
+safe, since applying an item twice is harmless.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Task
+
+from store.base import BatchOp, BatchResult, DeleteOp, SaveOp, SaveResult, validate_seq
+from store.errors import InvalidInput
+from store.model import validate_session_id
+from store.serde import checkpoint_from_wire, dumps_go
+from tasks import observers, runtime
+from tasks.dead_letters import Reason
+
+APPLY_BATCH = "checkpoint.apply_batch"
+SAVE = "checkpoint.save"
+DELETE = "checkpoint.delete"
+
+#: Most items one message may carry: a bound on one pipeline's size and one task's time.
+MAX_ITEMS = 1000
+
+_SAVE_FIELDS = frozenset({"op", "checkpoint", "seq"})
+_DELETE_FIELDS = frozenset({"op", "session_id", "seq"})
+
+Outcome = dict[str, Any]
+
+
+def parse_item(item: object) -> BatchOp:
+    """One item of ``items`` as a store operation.
+
+    Raises:
+        InvalidInput: not a save or delete item, or its checkpoint, id or seq is invalid.
+    """
+    if not isinstance(item, dict):
+        raise InvalidInput(f"must be a JSON object, got {type(item).__name__}", field="item")
+    op = item.get("op")
+    allowed = _SAVE_FIELDS if op == "save" else _DELETE_FIELDS if op == "delete" else None
+    if allowed is None:
+        raise InvalidInput(f"op must be 'save' or 'delete', got {op!r}", field="op")
+    unknown = sorted(set(item) - allowed)
+    if unknown:
+        raise InvalidInput(f"unknown field(s) {unknown} in a {op} item", field="item")
+    seq = item.get("seq")
+    seq = None if seq is None else validate_seq(seq)
+    if op == "save":
+        return SaveOp(checkpoint_from_wire(item.get("checkpoint")), seq)
+    return DeleteOp(validate_session_id(item.get("session_id")), seq)
+
+
+def _as_request(item: object) -> tuple[str, list[Any], dict[str, Any]]:
+    """The single request a bad item stands for: (task, args, kwargs) for its dead letter."""
+    if isinstance(item, dict) and item.get("op") in ("save", "delete"):
+        kwargs = {"seq": item["seq"]} if "seq" in item else {}
+        if item["op"] == "save":
+            return SAVE, [item.get("checkpoint")], kwargs
+        return DELETE, [item.get("session_id")], kwargs
+    return APPLY_BATCH, [[item]], {}
+
+
+def _item_outcome(op: BatchOp, result: SaveResult | bool) -> Outcome:
+    if isinstance(op, SaveOp) and isinstance(result, SaveResult):
+        return {
+            "outcome": "applied" if result.applied else "stale",
+            "session_id": result.session_id,
+            "seq": result.seq,
+            "version": result.version,
+            "trimmed": result.trimmed,
+            "stored_bytes": result.stored_bytes,
+        }
+    session_id = op.session_id if isinstance(op, DeleteOp) else op.checkpoint.session_id
+    return {"outcome": "deleted" if result else "stale", "session_id": session_id, "seq": op.seq}
+
+
+def _notify(task_id: str | None, label: str, outcome: Outcome, seq: object) -> None:
+    observers.notify(
+        observers.Observation(
+            task=label,
+            outcome=str(outcome["outcome"]),
+            task_id=task_id,
+            session_id=outcome.get("session_id"),
+            seq=seq if isinstance(seq, int) and not isinstance(seq, bool) else None,
+            stored_bytes=outcome.get("stored_bytes"),
+            trimmed=int(outcome.get("trimmed") or 0),
+            kind=outcome.get("kind"),
+        )
+    )
+
+
+def apply_batch(task: Task, items: object) -> Outcome:
+    """Apply an ordered batch of saves and deletes; dead-letter bad items one by one."""
+    if not isinstance(items, list):
+        raise InvalidInput(f"items must be a JSON array, got {type(items).__name__}")
+    if len(items) > MAX_ITEMS:
+        raise InvalidInput(f"{len(items)} items; a batch holds at most {MAX_ITEMS}")
+    ops: list[BatchOp] = []
+    positions: list[int] = []
+    refused: dict[int, InvalidInput] = {}
+    for position, item in enumerate(items):
+        try:
+            ops.append(parse_item(item))
+            positions.append(position)
+        except InvalidInput as exc:
+            refused[position] = exc
+    rt = runtime.current()
+    # Raises StoreUnavailable for the whole batch: CheckpointTask retries the message.
+    results: list[BatchResult] = rt.store.apply_batch(ops)
+    outcomes: list[Outcome | None] = [None] * len(items)
+    for position, op, result in zip(positions, ops, results, strict=True):
+        if isinstance(result, InvalidInput):
+            refused[position] = result
+        else:
+            outcomes[position] = _item_outcome(op, result)
+    # Dead letters only once the batch applied, so that a retried batch records each once.
+    for position, error in sorted(refused.items()):
+        name, args, kwargs = _as_request(items[position])
+        entry = rt.dead_letters.add(
+            Reason.INVALID_INPUT,
+            f"item {position} of {APPLY_BATCH}: {error}",
+            task=name,
+            task_id=task.request.id,
+            args=args,
+            kwargs=kwargs,
+            raw=dumps_go(items[position]),
+            retries=task.request.retries or 0,
+        )
+        outcomes[position] = {"outcome": "dead_lettered", "kind": "invalid_input", "entry": entry}
+    counts: dict[str, int] = {}
+    for position, outcome in enumerate(outcomes):
+        if outcome is None:  # every position got an outcome above; keeps mypy honest
+            continue
+        counts[outcome["outcome"]] = counts.get(outcome["outcome"], 0) + 1
+        item = items[position]
+        label = observers.task_label(_as_request(item)[0])
+        seq = item.get("seq") if isinstance(item, dict) else None
+        _notify(task.request.id, label, outcome, seq)
+    return {"outcome": "batch", "items": len(items), **counts}
