@@ -22,6 +22,9 @@ from bench.harness import RunConfig, SectionReport
 SECTIONS = {
     "store": "bench.store_bench",
     "producer": "bench.producer_bench",
+    "worker": "bench.worker_bench",
+    "latency": "bench.latency_bench",
+    "memory": "bench.memory_bench",
     "sweep": "bench.sweep_bench",
 }
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,16 +30,55 @@ from tests.worker.envelopes import protocol2  # noqa: E402
 
 QUEUE = "checkpoints"
 STAGING = "bench-staging"
+APPLY_BATCH = "checkpoint.apply_batch"
 
 
-def drain(broker: RedisServer, task: str, messages: int, size: int, tag: str) -> float:
-    """Messages per second for ``messages`` requests of ``task``."""
+@contextmanager
+def running_worker(
+    broker: RedisServer, store: RedisServer, pool: str, concurrency: int
+) -> Iterator[CeleryProcess]:
+    """One worker of ``bench.noop_app`` (the real app plus ``checkpoint.noop``)."""
+    env = checkpointq_env(
+        broker_url=broker.url,
+        store_url=store.url,
+        queue=QUEUE,
+        pool=pool,
+        concurrency=concurrency,
+        log_level="WARNING",
+    )
+    worker = CeleryProcess("worker", env, app="bench.noop_app")
+    worker.start(ready="ready.")
+    try:
+        yield worker
+    finally:
+        worker.stop()
+
+
+def drain(
+    broker: RedisServer, task: str, messages: int, size: int, tag: str, per_message: int = 1
+) -> float:
+    """Requests per second for ``messages`` messages of ``task``.
+
+    With ``task`` ``checkpoint.apply_batch``, each message carries ``per_message`` saves and
+    the rate counts saves, not messages.
+    """
     client = broker.client()
     pipe = client.pipeline(transaction=False)
     payload_bytes = 0
     for i in range(messages):
-        wire = checkpoint_to_wire(checkpoint_of_size(f"{tag}-{i}", size))
-        envelope = protocol2(task, [wire], {"seq": 1_000 + i}, queue=QUEUE)
+        if task == APPLY_BATCH:
+            items = [
+                {
+                    "op": "save",
+                    "checkpoint": checkpoint_to_wire(checkpoint_of_size(f"{tag}-{i}-{n}", size)),
+                    "seq": 1_000 + i,
+                }
+                for n in range(per_message)
+            ]
+            envelope = protocol2(task, [items], {}, queue=QUEUE)
+        else:
+            wire = checkpoint_to_wire(checkpoint_of_size(f"{tag}-{i}", size))
+            envelope = protocol2(task, [wire], {"seq": 1_000 + i}, queue=QUEUE)
         payload_bytes += len(envelope)
         pipe.lpush(STAGING, envelope)
         if i % 200 == 199:
@@ -51,7 +92,7 @@ def drain(broker: RedisServer, task: str, messages: int, size: int, tag: str) ->
         time.sleep(0.005)
     elapsed = time.perf_counter() - start
     client.close()
-    rate = messages / elapsed
+    rate = messages * (per_message if task == APPLY_BATCH else 1) / elapsed
     print(
         f"{task:18} {messages} msgs, ~{payload_bytes // messages // 1024} KiB envelopes: "
         f"{elapsed:.2f}s, {rate:,.0f}/s",
