@@ -191,6 +191,17 @@ class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
 
     def __call__(self, *args: Any, **kwargs: Any) -> Outcome:
         try:
+            return self._attempt(args, kwargs)
+        except StoreUnavailable as exc:
+            # Only a dead letter that could not be written gets here (its stream lives on the
+            # store Redis). Acknowledging now would leave the request in a log line alone:
+            # retry it like any request whose store is down.
+            outcome = self._retry_or_dead_letter(exc, args, kwargs)
+            _observe(self, outcome, None, args, kwargs)
+            return outcome
+
+    def _attempt(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Outcome:
+        try:
             inspect.signature(self.run).bind(*args, **kwargs)
         except TypeError as exc:
             outcome = _dead_letter(self, Reason.BAD_ARGUMENTS, str(exc), args, kwargs)

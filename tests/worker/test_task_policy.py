@@ -101,6 +101,28 @@ def test_unavailable_store_is_retried_then_dead_lettered(
     assert letter.args == [wire] and letter.kwargs == {"seq": 1}
 
 
+class DownStream(fakeredis.FakeRedis):
+    """A store Redis that takes reads but cannot record dead letters."""
+
+    def xadd(self, *args: Any, **kwargs: Any) -> Any:
+        raise StoreUnavailable("record dead letter: Redis unavailable (ConnectionError)")
+
+
+def test_bad_request_is_retried_while_its_dead_letter_cannot_be_written(
+    app: Celery, caplog: pytest.LogCaptureFixture
+) -> None:
+    down = DownStream()
+    install(InMemoryStore(), down, retries=2)
+    result = app.tasks[checkpoints.DELETE].apply(args=["ok"], kwargs={"seq": "bad"})
+    # Then the request is not acknowledged as done: it ends failed after its retries ...
+    assert result.failed()
+    assert isinstance(result.result, StoreUnavailable)
+    # ... having been retried, and its payload is in the ERROR log as a last resort.
+    assert "retry 1/2" in caplog.text and "retry 2/2" in caplog.text
+    assert "request kept in this log line only" in caplog.text
+    assert '\\"seq\\":\\"bad\\"' in caplog.text
+
+
 def test_backoff_is_full_jitter_under_a_doubling_ceiling() -> None:
     policy = RetryPolicy(max_retries=3, base_seconds=1, max_seconds=5)
     assert [policy.ceiling(n) for n in range(5)] == [1, 2, 4, 5, 5]
