@@ -6,8 +6,10 @@ one real prefork worker for the module.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -25,6 +27,10 @@ from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import RedisServer, wait_until
 
 pytestmark = pytest.mark.integration
+
+
+def wire(session_id: str, version: int) -> dict[str, Any]:
+    return checkpoint_to_wire(make_checkpoint(session_id, version=version))
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +114,26 @@ def test_poison_messages_are_dead_lettered_and_the_worker_carries_on(
     assert kinds == sorted([Reason.UNDECODABLE, Reason.UNKNOWN_TASK, Reason.INVALID_INPUT])
     # and nothing stays in the queue for redelivery
     wait_drained(rabbit_vhost)
+
+
+def test_raw_amqp_message_with_the_documented_headers_is_applied(
+    client: CheckpointClient, rabbit_vhost: RabbitVhost
+) -> None:
+    # Given a producer without Celery: plain JSON body, the two required headers
+    body = json.dumps([[wire("amqp-raw", version=4)], {"seq": 2_000}, {}]).encode()
+    with Connection(rabbit_vhost.url) as connection:  # type: ignore[no-untyped-call]
+        exchange = Exchange(QUEUE, "direct")  # type: ignore[no-untyped-call]  # kombu: no hints
+        channel = connection.default_channel
+        producer = Producer(channel, exchange=exchange)  # type: ignore[no-untyped-call]
+        producer.publish(  # type: ignore[no-untyped-call]
+            body,
+            routing_key=QUEUE,
+            content_type="application/json",
+            content_encoding="utf-8",
+            delivery_mode=2,
+            headers={"task": SAVE, "id": str(uuid.uuid4())},
+        )
+    # Then the worker applies it like any other save
+    wait_until(lambda: client.load("amqp-raw") is not None, timeout=20, message="raw save")
+    fence = client.store.fence("amqp-raw")
+    assert fence is not None and fence.seq == 2_000
