@@ -19,13 +19,11 @@ from store.model import Checkpoint, CheckpointMetadata, ConversationMessage, for
 
 # Go escapes these inside strings (HTML safety and JavaScript line terminators). None of
 # them can occur in JSON outside a string, so replacing them in the encoded bytes is exact.
-_GO_ESCAPES = (
-    (b"&", b"\\u0026"),
-    (b"<", b"\\u003c"),
-    (b">", b"\\u003e"),
-    ("\u2028".encode(), b"\\u2028"),
-    ("\u2029".encode(), b"\\u2029"),
-)
+# Single bytes are looked for first: `in` finds one byte with memchr, while a search for a
+# multi-byte sequence scans far slower (15-20 us on 20 KB); U+2028/U+2029 both start with
+# the byte 0xE2, so their search only runs when that byte occurs at all.
+_GO_ESCAPES_ASCII = ((b"&", b"\\u0026"), (b"<", b"\\u003c"), (b">", b"\\u003e"))
+_GO_ESCAPES_E2 = (("\u2028".encode(), b"\\u2028"), ("\u2029".encode(), b"\\u2029"))
 
 
 # orjson reads integers beyond 64 bits as floats, silently; a run of 19 or more digits sends
@@ -92,9 +90,13 @@ def dumps_go(value: Any) -> bytes:
         data = json.dumps(
             value, ensure_ascii=False, separators=(",", ":"), allow_nan=False
         ).encode()
-    for raw, escaped in _GO_ESCAPES:
+    for raw, escaped in _GO_ESCAPES_ASCII:
         if raw in data:
             data = data.replace(raw, escaped)
+    if b"\xe2" in data:
+        for raw, escaped in _GO_ESCAPES_E2:
+            if raw in data:
+                data = data.replace(raw, escaped)
     return data
 
 

@@ -152,3 +152,11 @@ def test_naive_datetimes_given_in_python_are_taken_as_utc() -> None:
         session_id="s", metadata=CheckpointMetadata(start_time=datetime(2026, 1, 2, 3, 4, 5))
     )
     assert cp.metadata.start_time == datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+
+
+def test_other_characters_sharing_the_separators_lead_byte_stay_raw() -> None:
+    # "…" (U+2026) and "“" (U+201C) start with the same UTF-8 byte as U+2028/U+2029.
+    cp = Checkpoint(
+        session_id="s", conversation_history=[ConversationMessage(role="u", content="…\u2029“")]
+    )
+    assert '"content":"…\\u2029“"'.encode() in serialize_checkpoint(cp)
