@@ -13,8 +13,10 @@ Oversize bodies are refused here too, before anything decodes them.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import re
 from typing import Any
 
 from celery import signals
@@ -68,6 +70,27 @@ def _raw(message: Message) -> bytes:
     if body is None:
         return b""
     return body if isinstance(body, bytes) else str(body).encode("utf-8", "surrogateescape")
+
+
+#: Deepest JSON nesting accepted in a task body. Celery pickles the arguments to hand them
+#: to a pool process, and pickling recurses once per level: a body nested ~700 levels deep
+#: raised RecursionError in the worker's main process, which exited ("Unrecoverable
+#: error"), and took the message down with it again after every restart. Real checkpoints
+#: nest a handful of levels.
+MAX_NESTING = 128
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+
+
+def _json_depth(message: Message) -> int:
+    """How deeply a JSON body nests (0 for other content types), without decoding it."""
+    if message.content_type != "application/json" or not message.body:
+        return 0
+    body = message.body if isinstance(message.body, bytes) else str(message.body).encode()
+    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
+    return max(itertools.accumulate(_STEP[b] for b in brackets), default=0)
 
 
 def _release_slot_when_broker_lost(
@@ -154,10 +177,15 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no 
             observers.notify_received(
                 observers.Received(observers.task_label(headers.get("task")), size)
             )
-            if size <= limit:
+            if size > limit:
+                kind = Reason.OVERSIZE
+                reason = f"message body is {size} bytes; the limit is {limit}"
+            elif (depth := _json_depth(message)) > MAX_NESTING:
+                kind = Reason.INVALID_INPUT
+                reason = f"JSON nested {depth} levels deep; the limit is {MAX_NESTING}"
+            else:
                 return handle(message)
-            reason = f"message body is {size} bytes; the limit is {limit}"
-            if self._record(message, Reason.OVERSIZE, reason):
+            if self._record(message, kind, reason):
                 message.ack_log_error(logger, self.connection_errors)
             return None
 
