@@ -223,7 +223,9 @@ class DeadLetters:
 
 
 def _json(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=repr)
+    # ASCII: JSON arguments may hold lone surrogates ("\ud800" is valid JSON syntax), which
+    # no UTF-8 encoder accepts; escaped, they survive the stream and decode back as sent.
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=True, default=repr)
 
 
 def _as_bytes(value: bytes | str) -> bytes:
