@@ -87,9 +87,16 @@ def dumps_go(value: Any) -> bytes:
         data = orjson.dumps(value)
     except TypeError:
         # orjson refuses integers outside 64 bits; an unknown field may legitimately hold one.
-        data = json.dumps(
-            value, ensure_ascii=False, separators=(",", ":"), allow_nan=False
-        ).encode()
+        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        try:
+            data = text.encode()
+        except UnicodeEncodeError as exc:
+            # A lone surrogate ("\ud800" in the JSON that arrived): not Unicode, and Go
+            # could not read it back. Refused as bad input rather than failing unexpectedly.
+            raise InvalidCheckpoint(
+                f"holds a lone surrogate (U+{ord(text[exc.start]):04X}), which is not valid "
+                "Unicode"
+            ) from None
     for raw, escaped in _GO_ESCAPES_ASCII:
         if raw in data:
             data = data.replace(raw, escaped)
