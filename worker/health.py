@@ -167,14 +167,25 @@ def live_workers(client: Any, keys: KeySpace) -> list[dict[str, Any]]:
 def next_sweep(settings: Settings, client: Any) -> float | None:
     """When beat will next run the sweep (epoch seconds), from RedBeat's schedule in Redis.
 
-    None when no beat has ever scheduled it. RedBeat keeps the schedule on the store Redis
-    (``worker/beat.py``); the key names come from RedBeat itself.
+    None when no beat has ever scheduled it. ``client`` is on the store Redis; RedBeat keeps
+    the schedule there unless ``beat_url`` says otherwise (a cluster store), in which case a
+    client on that Redis is opened for this read. The key names come from RedBeat itself.
     """
     app = Celery("checkpointq-health", set_as_current=False)
     app.conf.update(beat_config(settings))
     app.redbeat_conf = RedBeatConfig(app)
     entry_key = RedBeatSchedulerEntry.generate_key(app, SWEEP_ENTRY)
-    score = client.zscore(app.redbeat_conf.schedule_key, entry_key)
+    beat_url = settings.resolved_beat_url
+    if beat_url is None:
+        return None
+    if beat_url == settings.resolved_store_url:
+        score = client.zscore(app.redbeat_conf.schedule_key, entry_key)
+    else:
+        beat_client = _client(beat_url)
+        try:
+            score = beat_client.zscore(app.redbeat_conf.schedule_key, entry_key)
+        finally:
+            beat_client.close()
     return None if score is None else float(score)
 
 

@@ -6,6 +6,7 @@ import json
 
 from tests.ops.conftest import System
 from tests.support.servers import RedisServer, wait_until
+from tests.worker.celery_processes import CeleryProcess
 
 
 def _one_line_failure(system: System, *args: str) -> str:
@@ -88,3 +89,22 @@ def test_health_never_prints_a_password(system: System) -> None:
         assert "broker: redis://:***@127.0.0.1" in shown
     finally:
         guarded.cleanup()
+
+
+def test_health_beat_checks_the_sweep_schedule(system: System) -> None:
+    # Given no beat has ever run, the beat check fails on one line
+    assert "no sweep scheduled" in _one_line_failure(system, "--beat")
+
+    # When beat runs, its schedule in Redis makes the check pass
+    beat = CeleryProcess("beat", system.env()).start()
+    try:
+        wait_until(
+            lambda: system.cli("health", "--beat").returncode == 0,
+            timeout=30,
+            message="health --beat to pass",
+        )
+        report = json.loads(system.cli("health", "--beat", "--json").stdout)
+        assert set(report["checks"]) == {"broker", "store", "beat"}
+        assert report["checks"]["beat"]["detail"].startswith("next sweep in ")
+    finally:
+        beat.stop()
