@@ -22,8 +22,9 @@ logger = logging.getLogger(__name__)
 #: metrics must not grow a label value per name an attacker makes up.
 OTHER_TASK = "other"
 
-#: Our task names, without their ``checkpoint.`` prefix: the ``task`` label values.
-TASK_LABELS = frozenset({"save", "delete", "refresh", "expire_stale"})
+#: Our task names, without their ``checkpoint.`` prefix: the ``task`` label values. A batch
+#: counts once as ``apply_batch``/``batch``, and each of its items under its own task.
+TASK_LABELS = frozenset({"save", "delete", "refresh", "expire_stale", "apply_batch"})
 
 
 def task_label(name: str | None) -> str:
@@ -38,7 +39,8 @@ class Observation:
 
     #: Short task name (``save``, ``delete``, ``refresh``, ``expire_stale``, ``other``).
     task: str
-    #: applied, stale, deleted, refreshed, absent, swept, locked_out, dead_lettered, retried.
+    #: applied, stale, deleted, refreshed, absent, swept, locked_out, dead_lettered, retried,
+    #: batch (a whole ``apply_batch`` request; its items are observed one by one).
     outcome: str
     task_id: str | None = None
     session_id: str | None = None
