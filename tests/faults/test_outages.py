@@ -130,6 +130,7 @@ def test_broker_restart_without_persistence_loses_only_what_it_held(
             notes=f"loss window: everything queued at the crash ({backlog} messages); "
             f"{lost} session(s) ended without their final request. Use AOF.",
             passed=late_verdict.exact and lost <= backlog + in_worker,
+            loss_measured=True,
         )
         assert worker.running()
         assert late_verdict.exact, late_verdict
