@@ -11,7 +11,7 @@ from store.errors import CheckpointError, StoreUnavailable
 
 
 class BrokerUnavailable(CheckpointError):
-    """The broker could not be reached to publish a request, even after retries."""
+    """The broker could not be reached: to publish a request (after retries), or by a probe."""
 
 
 class NotReplayable(CheckpointError):

@@ -21,6 +21,7 @@ from typing import IO, Any, TypeVar
 import click
 import redis
 from kombu.exceptions import KombuError
+from redis.exceptions import RedisClusterException
 
 from store.errors import CheckpointError
 from store.model import Checkpoint
@@ -42,7 +43,8 @@ SWEEP_BATCH = 1000
 #: Dead letters fetched per page when replaying everything.
 DLQ_PAGE = 500
 
-_URL = re.compile(r"\b(?:rediss?|unix|redis\+socket|amqps?)://[^\s'\"]+")
+#: Any scheme: sentinel://, redis+cluster://, pyamqp:// URLs hold passwords as well.
+_URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]+")
 
 
 def scrub(message: str) -> str:
@@ -70,7 +72,7 @@ class _Cli(click.Group):
             raise
         except CheckpointError as exc:
             raise CliFailure(str(exc)) from None
-        except redis.RedisError as exc:
+        except (redis.RedisError, RedisClusterException) as exc:
             raise CliFailure(f"Redis: {type(exc).__name__}: {exc}") from None
         except KombuError as exc:
             raise CliFailure(f"broker: {type(exc).__name__}: {exc}") from None

@@ -92,15 +92,6 @@ def _required(url: str | None) -> str:
     return url
 
 
-def broker_client(settings: Settings) -> Any:
-    """A ``redis.Redis`` on the broker (queue depth)."""
-    return redis.Redis.from_url(
-        redis_py_url(_required(settings.broker_url)),
-        socket_timeout=CLI_SOCKET_TIMEOUT,
-        socket_connect_timeout=CLI_SOCKET_TIMEOUT,
-    )
-
-
 def store_client(settings: Settings, timeout: float = CLI_SOCKET_TIMEOUT) -> Any:
     """A client of the store Redis (sweep lock, events, dead letters, heartbeats): a
     ``redis.Redis``, or a ``RedisCluster`` for a cluster URL (which connects at once)."""

@@ -28,10 +28,12 @@ from typing import Any
 import redis
 from celery import Celery, bootsteps
 from redbeat.schedulers import RedBeatConfig, RedBeatSchedulerEntry
+from redis.exceptions import RedisClusterException
 
 from store.keys import KeySpace
 from store.urls import redact_url
-from worker import connections, metrics
+from tasks.errors import BrokerUnavailable
+from worker import broker_probe, connections, metrics
 from worker.beat import SWEEP_ENTRY, beat_config
 from worker.settings import Settings
 
@@ -39,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 #: A heartbeat lives this many intervals: one late beat is not yet a dead worker.
 HEARTBEAT_LIVES = 3
-#: Seconds a health check waits for each Redis to connect and answer.
+#: Seconds a health check waits for the broker and for the store to connect and answer.
 CHECK_TIMEOUT = 3.0
 #: A sweep this much later than its due time means beat is not running (a running beat
 #: fires within one tick, at most 5 s, of the due time and reschedules it at once).
@@ -236,30 +238,41 @@ def _client(url: str) -> Any:
     )
 
 
-def _ping(name: str, url: str) -> tuple[Check, Any]:
-    client = _client(url)
+def _ping_broker(settings: Settings) -> Check:
+    with broker_probe.open_probe(settings, timeout=CHECK_TIMEOUT) as probe:
+        try:
+            probe.ping()
+        except BrokerUnavailable as exc:
+            return Check("broker", False, str(exc))
+        return Check("broker", True, f"{probe.where} answers")
+
+
+def _ping_store(settings: Settings) -> tuple[Check, Any]:
+    """PING the store (a single Redis or a cluster: ``connections.store_client``)."""
+    where = redact_url(settings.resolved_store_url or "")
+    client = None
     try:
+        # A cluster client connects (and may fail) as it is built.
+        client = connections.store_client(settings, timeout=CHECK_TIMEOUT)
         client.ping()
-    except redis.RedisError as exc:
-        client.close()
-        return Check(name, False, f"{redact_url(url)} unreachable ({type(exc).__name__})"), None
-    return Check(name, True, f"{redact_url(url)} answers"), client
+    except (redis.RedisError, RedisClusterException) as exc:
+        if client is not None:
+            client.close()
+        return Check("store", False, f"{where} unreachable ({type(exc).__name__})"), None
+    return Check("store", True, f"{where} answers"), client
 
 
 def check(settings: Settings, *, local: bool = False, beat: bool = False) -> Report:
-    """Ping the broker and the store; then look for a live worker (or, with ``beat``, for a
-    sweep schedule that is not overdue).
+    """Ping the broker (whatever its kind: ``broker_probe``) and the store; then look for a
+    live worker (or, with ``beat``, for a sweep schedule that is not overdue).
 
     Args:
         settings: resolved settings (both URLs known).
         local: the worker must run on this host (a container's or pod's own probe).
         beat: check beat's schedule instead of the workers (beat's own probe).
     """
-    broker_url = settings.broker_url or ""
-    store_url = settings.resolved_store_url or broker_url
-    broker_check, broker = _ping("broker", broker_url)
-    store_check, store = _ping("store", store_url)
-    checks = [broker_check, store_check]
+    store_check, store = _ping_store(settings)
+    checks = [_ping_broker(settings), store_check]
     try:
         name = "beat" if beat else "worker"
         if store is None:
@@ -269,12 +282,11 @@ def check(settings: Settings, *, local: bool = False, beat: bool = False) -> Rep
         else:
             keys = connections.key_space(settings)
             checks.append(_check_workers(live_workers(store, keys), local))
-    except redis.RedisError as exc:
+    except (redis.RedisError, RedisClusterException) as exc:
         checks.append(Check(name, False, f"store read failed ({type(exc).__name__})"))
     finally:
-        for client in (broker, store):
-            if client is not None:
-                client.close()
+        if store is not None:
+            store.close()
     return Report(checks)
 
 

@@ -11,9 +11,12 @@ adds to the totals. A fresh directory per start means a restarted worker starts 
 which Prometheus's ``rate()`` handles as a counter reset, instead of adding a previous run's
 counts a second time.
 
-Gauges that describe Redis (queue depth, dead-letter depth, sessions) are not kept by any
-process: ``RedisGauges`` reads them at scrape time, in the main process, with O(1) or
-O(log n) commands (LLEN, XLEN, ZCOUNT).
+Gauges that describe the broker and the store (queue depth, dead-letter depth, sessions)
+are not kept by any process: ``RedisGauges`` reads them at scrape time, in the main
+process, with O(1) or O(log n) reads: the queue's depth through ``worker/broker_probe.py``
+(LLEN on Redis and Sentinel, a passive queue declare on RabbitMQ), XLEN and ZCOUNT on the
+store. Nothing connects at start-up: a broker or store that is down when the worker starts
+shows as ``checkpointq_redis_up 0`` on the scrapes, instead of stopping the worker.
 
 The metric names, labels and meanings are listed in the README ("Metrics").
 """
@@ -35,11 +38,12 @@ from celery import bootsteps, signals
 from prometheus_client import CollectorRegistry, Counter, Histogram, multiprocess, values
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from tasks import observers
+from tasks.errors import BrokerUnavailable
 from tasks.observers import Observation, Received
-from worker import connections
+from worker import broker_probe, connections
 from worker.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -231,7 +235,8 @@ def _fold(out: dict[str, Any], name: str, labels: dict[str, str], value: float) 
 
 
 class RedisGauges:
-    """Gauges read from Redis on each scrape (main process): cheap commands only."""
+    """Gauges read from the broker and the store on each scrape (main process): cheap
+    reads only."""
 
     #: The families ``collect`` yields (the README lists them).
     NAMES = (
@@ -243,14 +248,18 @@ class RedisGauges:
 
     def __init__(self, settings: Settings) -> None:
         resolved = connections.resolve(settings)
+        self._settings = resolved
         self._queue = resolved.queue
         self._keys = connections.key_space(resolved)
-        self._broker = connections.broker_client(resolved)
-        self._store = connections.store_client(resolved)
+        self._broker = broker_probe.open_probe(resolved)
+        # A cluster client connects as it is built: opened on the first scrape instead.
+        self._store: Any = None
+        self._store_lock = threading.Lock()
 
     def close(self) -> None:
         self._broker.close()
-        self._store.close()
+        if self._store is not None:
+            self._store.close()
 
     def describe(self) -> list[Metric]:
         return []  # no pre-registration checks: names are fixed and documented
@@ -258,12 +267,12 @@ class RedisGauges:
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily(
             "checkpointq_redis_up",
-            "Whether the last scrape could read that Redis.",
+            "Whether the last scrape could read the broker (any kind) or the store Redis.",
             labels=["role"],
         )
         try:
-            depth = int(self._broker.llen(self._queue))
-        except RedisError as exc:
+            depth = self._broker.queue(self._queue).depth
+        except BrokerUnavailable as exc:
             logger.warning("metrics: broker unreadable: %s", exc)
             up.add_metric(["broker"], 0)
         else:
@@ -275,7 +284,7 @@ class RedisGauges:
             yield queue
         try:
             dead, live, expired = self._store_counts()
-        except RedisError as exc:
+        except (RedisError, RedisClusterException) as exc:
             logger.warning("metrics: store unreadable: %s", exc)
             up.add_metric(["store"], 0)
         else:
@@ -294,6 +303,9 @@ class RedisGauges:
         yield up
 
     def _store_counts(self) -> tuple[int, int, int]:
+        with self._store_lock:  # overlapping scrapes build one client
+            if self._store is None:
+                self._store = connections.store_client(self._settings)
         now_ms = int(time.time() * 1000)
         index_keys = self._keys.index_keys()
         pipe = self._store.pipeline(transaction=False)

@@ -2,9 +2,12 @@
 
 Where the numbers come from, and why:
 
-* queue depth (LLEN), the oldest queued request's age (LINDEX of the list's far end: its
-  ``seq`` says when it was made), dead-letter depth (XLEN), sessions (ZCOUNT of the deadline
-  index), events (XLEN): read directly, each O(1) or O(log n);
+* queue depth and the oldest queued request's age: from the broker, whatever its kind
+  (``worker/broker_probe.py``: LLEN and LINDEX of the list's far end on Redis and Sentinel,
+  whose ``seq`` says when it was made; a passive queue declare on RabbitMQ, which cannot
+  show the oldest message without consuming it, so its age is "unknown" there);
+* dead-letter depth (XLEN), sessions (ZCOUNT of the deadline index), events (XLEN): read
+  directly from the store, each O(1) or O(log n);
 * the next sweep: RedBeat's schedule in Redis (``health.next_sweep``);
 * throughput, lag and dead letters by reason: the workers' heartbeats. Every worker already
   writes a heartbeat every few seconds (``worker/health.py``) carrying its totals so far
@@ -18,8 +21,6 @@ Where the numbers come from, and why:
 
 from __future__ import annotations
 
-import base64
-import json
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -31,7 +32,8 @@ from rich.table import Table
 from rich.text import Text
 
 from store.urls import redact_url
-from worker import connections, health
+from tasks.errors import BrokerUnavailable
+from worker import broker_probe, connections, health
 from worker.logs import redact
 from worker.settings import Settings
 
@@ -56,7 +58,8 @@ class Snapshot:
     time: float
     queue: str
     queue_depth: int
-    #: Seconds since the oldest queued request was made (None: empty, or it has no seq).
+    #: Seconds since the oldest queued request was made (None: empty, it has no seq, or
+    #: the broker cannot tell: see ``oldest_queued_known``).
     oldest_queued_seconds: float | None
     live_sessions: int
     stale_sessions: int
@@ -70,6 +73,8 @@ class Snapshot:
     dead_letters_by_reason: dict[str, int] = field(default_factory=dict)
     #: Epoch seconds of beat's next sweep (None: no beat ever scheduled one).
     next_sweep: float | None = None
+    #: False when the broker cannot show its oldest message without consuming it (RabbitMQ).
+    oldest_queued_known: bool = True
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -84,16 +89,14 @@ def collect(settings: Settings) -> Snapshot:
     """Read a snapshot (settings resolved: both URLs known).
 
     Raises:
-        redis.RedisError: the broker or the store could not be read.
+        BrokerUnavailable: the broker could not be read.
+        redis.RedisError, redis.exceptions.RedisClusterException: nor could the store.
     """
     keys = connections.key_space(settings)
-    broker = connections.broker_client(settings)
+    with broker_probe.open_probe(settings) as probe:
+        queued = probe.queue(settings.queue, oldest=True)
     store = connections.store_client(settings)
     try:
-        pipe = broker.pipeline(transaction=False)
-        pipe.llen(settings.queue)
-        pipe.lindex(settings.queue, -1)
-        depth, oldest = pipe.execute()
         now = time.time()
         now_ms = int(now * 1000)
         index_keys = keys.index_keys()
@@ -107,14 +110,14 @@ def collect(settings: Settings) -> Snapshot:
         workers = health.live_workers(store, keys)
         next_sweep = health.next_sweep(settings, store)
     finally:
-        broker.close()
         store.close()
-    made = _seq_of(oldest)
+    made = queued.oldest_seq
     return Snapshot(
         time=now,
         queue=settings.queue,
-        queue_depth=int(depth),
+        queue_depth=queued.depth,
         oldest_queued_seconds=None if made is None else max(0.0, now - made / 1e6),
+        oldest_queued_known=queued.oldest_known,
         live_sessions=sum(counts[0::2]),
         stale_sessions=sum(counts[1::2]),
         dead_letters=dead,
@@ -134,27 +137,6 @@ def _summed(parts: Iterable[dict[str, int]]) -> dict[str, int]:
         for key, count in part.items():
             total[key] = total.get(key, 0) + int(count)
     return total
-
-
-def _seq_of(envelope: bytes | None) -> int | None:
-    """The ``seq`` of a queued Celery message (protocol 2 or 1), if it has one."""
-    if envelope is None:
-        return None
-    try:
-        message = json.loads(envelope)
-        body = json.loads(base64.b64decode(message["body"]))
-    except (ValueError, KeyError, TypeError):
-        return None
-    if isinstance(body, list) and len(body) == 3:
-        args, kwargs = body[0], body[1]
-    elif isinstance(body, dict):
-        args, kwargs = body.get("args", []), body.get("kwargs", {})
-    else:
-        return None
-    seq = kwargs.get("seq") if isinstance(kwargs, dict) else None
-    if seq is None and isinstance(args, list) and len(args) > 1:
-        seq = args[1]
-    return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
 
 
 # -- throughput -----------------------------------------------------------------------------
@@ -229,6 +211,12 @@ def _duration(seconds: float | None) -> str:
     return f"{seconds / 60:.0f} min"
 
 
+def _oldest(snapshot: Snapshot) -> str:
+    if not snapshot.oldest_queued_known:
+        return "unknown (the broker cannot show it without consuming)"
+    return _duration(snapshot.oldest_queued_seconds)
+
+
 def render(
     snapshot: Snapshot, throughput: Throughput, settings: Settings, error: str | None = None
 ) -> RenderableType:
@@ -243,7 +231,7 @@ def render(
 
     state = Table.grid(padding=(0, 2))
     state.add_row("queue depth", str(snapshot.queue_depth))
-    state.add_row("oldest queued", _duration(snapshot.oldest_queued_seconds))
+    state.add_row("oldest queued", _oldest(snapshot))
     state.add_row("lag (mean)", _duration(throughput.mean_lag()))
     state.add_row("live sessions", str(snapshot.live_sessions))
     state.add_row("expired, unswept", str(snapshot.stale_sessions))
@@ -289,6 +277,8 @@ def render(
 def stats_lines(snapshot: Snapshot) -> list[str]:
     """``checkpointq stats`` for people: the same numbers as ``top``, one per line."""
     data = snapshot.as_json()
+    if not snapshot.oldest_queued_known:
+        data["oldest_queued_seconds"] = "unknown"
     lines = [
         f"{name:<22} {data[name]}"
         for name in (
@@ -314,9 +304,10 @@ def stats_lines(snapshot: Snapshot) -> list[str]:
 def run(settings: Settings, *, interval: float = 1.0, once: bool = False) -> None:
     """Redraw the view every ``interval`` seconds until Ctrl-C (or once, with ``once``).
 
-    A Redis that stops answering is shown on the screen, and the view keeps trying.
+    A broker or store that stops answering is shown on the screen, and the view keeps trying.
     """
     import redis
+    from redis.exceptions import RedisClusterException
     from rich.console import Console
     from rich.live import Live
 
@@ -330,8 +321,10 @@ def run(settings: Settings, *, interval: float = 1.0, once: bool = False) -> Non
         try:
             last = collect(settings)
             throughput.update(last.workers)
-        except redis.RedisError as exc:
-            error = f"Redis unreachable: {type(exc).__name__}: {redact(str(exc))}"
+        except BrokerUnavailable as exc:
+            error = f"broker {redact(str(exc))}"
+        except (redis.RedisError, RedisClusterException) as exc:
+            error = f"store unreachable: {type(exc).__name__}: {redact(str(exc))}"
         if last is None:
             return Text(f"checkpointq top: {error}", style="bold red")
         return render(last, throughput, settings, error)
