@@ -94,8 +94,7 @@ def dumps_go(value: Any) -> bytes:
             # A lone surrogate ("\ud800" in the JSON that arrived): not Unicode, and Go
             # could not read it back. Refused as bad input rather than failing unexpectedly.
             raise InvalidCheckpoint(
-                f"holds a lone surrogate (U+{ord(text[exc.start]):04X}), which is not valid "
-                "Unicode"
+                f"holds a lone surrogate (U+{ord(text[exc.start]):04X}), which is not valid Unicode"
             ) from None
     for raw, escaped in _GO_ESCAPES_ASCII:
         if raw in data:
