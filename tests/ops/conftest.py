@@ -3,7 +3,6 @@ worker (concurrency 2) with its metrics endpoint and quick heartbeats, and the C
 
 from __future__ import annotations
 
-import http.client
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -11,14 +10,17 @@ from dataclasses import dataclass
 
 import pytest
 import redis
-from prometheus_client.parser import text_string_to_metric_families
 
 from tasks.client import CheckpointClient
+from tests.support.metrics import Samples, scrape, value
 from tests.support.servers import RedisServer, free_port, wait_until
 from tests.worker.celery_processes import REPO, CeleryProcess, checkpointq_env
 from worker.settings import Settings
 
 QUEUE = "checkpoints"
+
+#: Re-exported for the tests here, which import them from this module.
+__all__ = ["QUEUE", "Samples", "System", "scrape", "value"]
 
 #: Quick heartbeats (they live 3 intervals), quick retries, a small message limit.
 WORKER_SETTINGS: dict[str, object] = {
@@ -32,30 +34,6 @@ WORKER_SETTINGS: dict[str, object] = {
     "max_message_bytes": 256 * 1024,
     "shutdown_timeout_seconds": 2,
 }
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def scrape(port: int) -> Samples:
-    """Every sample of ``http://127.0.0.1:<port>/metrics``, keyed by name and labels."""
-    # http.client rather than urlopen: the connection is closed here, whatever happens,
-    # instead of whenever the garbage collector gets to a response object.
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    try:
-        connection.request("GET", "/metrics")
-        text = connection.getresponse().read().decode()
-    finally:
-        connection.close()
-    return {
-        (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    """One sample's value; 0 when absent (a counter nobody has touched yet)."""
-    return samples.get((name, frozenset(labels.items())), 0.0)
 
 
 @dataclass

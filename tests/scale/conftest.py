@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import pytest
 import redis
 
+from tests.support.sentinel import SentinelGroup
 from tests.support.servers import RedisServer, wait_until
 from tests.worker.celery_processes import CeleryProcess, checkpointq_env
 from worker.settings import Settings
@@ -158,6 +159,15 @@ def rabbit_vhost() -> Iterator[RabbitVhost]:
         yield vhost
     finally:
         vhost.delete()
+
+
+@pytest.fixture(scope="module")
+def sentinel_group() -> Iterator[SentinelGroup]:
+    """A master, a replica and three sentinels (quorum 2) for the module: the master is
+    called down after 1 s of silence."""
+    group = SentinelGroup(replicas=1, sentinels=3, down_after_ms=1000).start()
+    yield group
+    group.cleanup()
 
 
 @pytest.fixture(scope="module")

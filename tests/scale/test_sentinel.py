@@ -39,10 +39,9 @@ AFTER_PROMOTION = 150
 
 
 @pytest.fixture(scope="module")
-def group() -> Iterator[SentinelGroup]:
-    group = SentinelGroup(replicas=1, sentinels=3, down_after_ms=1000).start()
-    yield group
-    group.cleanup()
+def group(sentinel_group: SentinelGroup) -> SentinelGroup:
+    """The module's group (``conftest.sentinel_group``), killed and healed by the tests."""
+    return sentinel_group
 
 
 @pytest.fixture(scope="module")
