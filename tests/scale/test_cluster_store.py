@@ -96,6 +96,34 @@ def test_worker_applies_saves_and_deletes_to_the_cluster(client: CheckpointClien
     assert listed == {f"cl-{i}" for i in range(30) if i % 3}
 
 
+def test_health_and_stats_read_heartbeats_and_counts_from_the_cluster(
+    client: CheckpointClient, fleet: Fleet
+) -> None:
+    # Given live sessions on the cluster and the worker's heartbeat there
+    client.wait_durable(client.save(make_checkpoint("cl-health")), timeout=20)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "worker.cli", *args],
+            env=fleet.env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    # Then health finds the store and the worker through the cluster client
+    health = cli("health", "--json")
+    assert health.returncode == 0, health.stdout + health.stderr
+    assert json.loads(health.stdout)["checks"]["worker"]["ok"] is True
+    # and stats counts sessions over every shard
+    stats = cli("stats", "--json")
+    assert stats.returncode == 0, stats.stderr
+    snapshot: dict[str, Any] = json.loads(stats.stdout)
+    assert snapshot["live_sessions"] >= 1 and snapshot["workers"] == 1
+
+
 def test_sweep_task_and_cli_expire_across_all_shards(
     client: CheckpointClient, fleet: Fleet, broker_server: RedisServer
 ) -> None:
