@@ -117,10 +117,10 @@ def test_a_bad_item_is_dead_lettered_alone_and_the_rest_apply(
     assert [(o.task, o.outcome) for o in seen] == [
         ("save", "applied"),
         ("save", "dead_lettered"),
-        ("other", "dead_lettered"),
+        ("apply_batch", "dead_lettered"),  # an item that is neither a save nor a delete
         ("delete", "dead_lettered"),
         ("save", "applied"),
-        ("other", "batch"),  # the message itself
+        ("apply_batch", "batch"),  # the message itself
     ]
 
 
