@@ -25,6 +25,7 @@ from celery.worker.consumer import Consumer
 from store.errors import StoreUnavailable
 from tasks import observers, runtime
 from tasks.dead_letters import Reason
+from worker import transport
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +131,12 @@ def _release_slot_when_broker_lost(
 
 class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no type hints
     """Celery's consumer, with every refused message recorded as a dead letter."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Items that are not Celery messages at all never reach this class: kombu decodes
+        # them in its Redis reader, which must dead-letter them rather than crash the worker.
+        transport.install()
+        super().__init__(*args, **kwargs)
 
     def _record(self, message: Message, kind: Reason, reason: str) -> bool:
         """Write the dead letter; False (and the message left unacked) if that failed."""

@@ -1,0 +1,102 @@
+"""Keep one malformed queue item from stopping a worker: dead-letter it instead.
+
+kombu's Redis transport pops each item with BRPOP and decodes it (JSON envelope, then the
+base64 body) inside the worker's event loop, before any Celery hook can see it. An item
+that is not JSON, a JSON value that is not an envelope, or an envelope whose body is not
+valid base64 raised there, and the worker exited ("Unrecoverable error"): anyone able to
+LPUSH to the queue could stop the fleet, one worker per item, and the item itself was gone
+(popped, never in the ``unacked`` hash). The reader installed here decodes the item the way
+kombu will, and refuses what would not decode: it records the raw item as a dead letter and
+carries on with the next one.
+
+Why patch kombu's Redis ``Channel`` rather than select a transport subclass: kombu ignores
+an explicit transport for ``redis+socket://`` URLs (the embedded Redis), and Sentinel's
+channel derives from the same class, so one replacement of its BRPOP reader covers every
+Redis spelling. It is installed only in worker processes (``install()`` is called by the
+worker's consumer), and the body mirrors kombu 5.7's ``Channel._brpop_read``, which
+``pyproject.toml`` pins; ``tests/faults/test_abuse.py`` fails if an upgrade changes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from queue import Empty
+from typing import Any
+
+from kombu.transport import redis as kombu_redis
+from kombu.utils.json import loads as kombu_loads
+
+from store.errors import StoreUnavailable
+from tasks import observers, runtime
+from tasks.dead_letters import Reason
+
+logger = logging.getLogger(__name__)
+
+#: kombu's own reader, kept to tell whether ours is installed.
+_KOMBU_BRPOP_READ = kombu_redis.Channel._brpop_read
+
+
+def _text(value: bytes | str) -> str:
+    """kombu's ``bytes_to_str``: UTF-8 with replacement characters."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def _refuse(item: bytes, queue: str, exc: BaseException) -> None:
+    """Record an undecodable item; if even that fails, keep it in the log line."""
+    reason = f"queue item is not a Celery message ({type(exc).__name__}: {exc})"
+    try:
+        runtime.current().dead_letters.add(
+            Reason.UNDECODABLE,
+            reason,
+            task=None,
+            task_id=None,
+            raw=item,
+            headers={"queue": queue},
+        )
+    except StoreUnavailable:
+        # DeadLetters.add has logged the whole item at ERROR: the log keeps it.
+        logger.error("could not dead-letter a malformed item from %s; it is in the log", queue)
+        return
+    observers.notify(
+        observers.Observation(
+            task=observers.OTHER_TASK, outcome="dead_lettered", kind=Reason.UNDECODABLE.value
+        )
+    )
+
+
+def _guarded_brpop_read(self: Any, **options: Any) -> bool:
+    """kombu's ``Channel._brpop_read`` with the decoding of the item guarded."""
+    try:
+        try:
+            dest__item = self.client.parse_response(self.client.connection, "BRPOP", **options)
+        except self.connection_errors:
+            # As kombu: disconnect so that the next iteration reconnects.
+            self.client.connection.disconnect()
+            raise
+        if not dest__item:
+            raise Empty()
+        dest, item = dest__item
+        dest = _text(dest).rsplit(self.sep, 1)[0]
+        self._queue_cycle.rotate(dest)
+        try:
+            payload: Any = kombu_loads(_text(item))  # type: ignore[no-untyped-call]
+            # Build the message as the consumer callback will (envelope fields, base64 body),
+            # so that whatever would raise there raises here, where it can be refused.
+            self.Message(payload, channel=self)
+        except Exception as exc:  # any decoding failure means "not a Celery message"
+            _refuse(item, dest, exc)
+            return True
+        self.connection._deliver(payload, dest)
+        return True
+    finally:
+        self._in_poll = None
+        self._flush_brpop_reauth()
+
+
+def install() -> None:
+    """Use the guarded reader in this process's Redis channels (idempotent)."""
+    kombu_redis.Channel._brpop_read = _guarded_brpop_read  # type: ignore[method-assign]
+
+
+def installed() -> bool:
+    return kombu_redis.Channel._brpop_read is _guarded_brpop_read
