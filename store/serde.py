@@ -9,6 +9,7 @@ ones in the order they arrived.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import orjson
@@ -138,9 +139,30 @@ def checkpoint_from_wire(value: Any) -> Checkpoint:
     if not isinstance(value, dict):
         raise InvalidCheckpoint(f"must be a JSON object, got {type(value).__name__}")
     try:
-        return Checkpoint.model_validate(value, by_alias=True, by_name=False)
+        cp = Checkpoint.model_validate(value, by_alias=True, by_name=False)
     except ValidationError as exc:
         raise InvalidCheckpoint(_describe(exc)) from None
+    # Typed fields cannot hold floats; unknown ones can. A JSON parser that accepts NaN and
+    # Infinity (Python's, which Celery uses) would let them in, and they would be written
+    # back as null: refuse them rather than change a producer's data.
+    _reject_non_finite(cp.__pydantic_extra__, "")
+    _reject_non_finite(cp.metadata.__pydantic_extra__, "metadata")
+    for i, message in enumerate(cp.conversation_history):
+        _reject_non_finite(message.__pydantic_extra__, f"conversationHistory[{i}]")
+    return cp
+
+
+def _reject_non_finite(value: Any, path: str) -> None:
+    """Raise InvalidCheckpoint naming the first NaN or Infinity inside ``value``."""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidCheckpoint(f"{path}: {value} is not a JSON number")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _reject_non_finite(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _reject_non_finite(item, f"{path}[{i}]")
 
 
 def serialize_checkpoint(cp: Checkpoint) -> bytes:

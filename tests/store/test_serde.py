@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 
 import pytest
@@ -160,3 +161,22 @@ def test_other_characters_sharing_the_separators_lead_byte_stay_raw() -> None:
         session_id="s", conversation_history=[ConversationMessage(role="u", content="…\u2029“")]
     )
     assert '"content":"…\\u2029“"'.encode() in serialize_checkpoint(cp)
+
+
+@pytest.mark.parametrize(
+    ("document", "path"),
+    [
+        ({"sessionId": "s", "score": float("nan")}, "score"),
+        ({"sessionId": "s", "metadata": {"x": [1, float("inf")]}}, "metadata.x[1]"),
+        (
+            {"sessionId": "s", "conversationHistory": [{"role": "u", "w": {"z": -float("inf")}}]},
+            "conversationHistory[0].w.z",
+        ),
+    ],
+)
+def test_nan_and_infinity_in_unknown_fields_are_refused_not_nulled(
+    document: dict[str, object], path: str
+) -> None:
+    # Celery's JSON decoder accepts NaN/Infinity; orjson would write them back as null.
+    with pytest.raises(InvalidCheckpoint, match=rf"^{re.escape(path)}: "):
+        checkpoint_from_wire(document)
