@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from worker.cli import cli
 from worker.metrics import RedisGauges, WorkerMetrics
+from worker.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 _SUFFIXES = ("_bucket", "_sum", "_count", "_created")
@@ -76,3 +77,10 @@ def test_the_dashboard_queries_only_exported_metrics() -> None:
     assert used and used <= known
     # and every exported metric appears somewhere on the dashboard
     assert known <= used
+
+
+def test_the_readme_documents_every_setting() -> None:
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    documented = set(re.findall(r"^\| `(CHECKPOINTQ_[A-Z_]+)` \|", readme, re.MULTILINE))
+    expected = {f"CHECKPOINTQ_{name.upper()}" for name in Settings.model_fields}
+    assert documented == expected
