@@ -12,6 +12,7 @@ from typing import Any
 
 from celery import Celery
 
+from store.errors import CheckpointError
 from store.redis import RedisStore
 from store.urls import redact_url
 from tasks import checkpoints, runtime
@@ -27,7 +28,7 @@ from worker.settings import Settings
 logger = logging.getLogger(__name__)
 
 
-class MissingBrokerUrl(ValueError):
+class MissingBrokerUrl(CheckpointError, ValueError):
     """No broker URL: set CHECKPOINTQ_BROKER_URL or let `checkpointq up` provide one."""
 
 
