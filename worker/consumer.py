@@ -17,6 +17,7 @@ import itertools
 import json
 import logging
 import re
+import weakref
 from typing import Any
 
 from celery import signals
@@ -106,25 +107,32 @@ def _release_slot_when_broker_lost(
     the broker came back: it sits idle with work queued until it is restarted. Forgetting
     the message locally is safe: if the broker kept its ``unacked`` entry, the visibility
     timeout redelivers it, and a replayed request is harmless (writes are fenced).
-    """
-    ack, reject = message.ack, message.reject
 
-    def forget() -> None:
-        message.channel.qos._quick_ack(message.delivery_tag)
+    The wrappers live on the message and reach it only through weak references: a strong
+    one would make a reference cycle, and every message, with its whole body, would then be
+    freed by the cyclic garbage collector long after its ack instead of at once. With 260 KB
+    envelopes that grew the main process by ~4 MB per 300 messages (bench, memory section).
+    """
+    ack, reject = weakref.WeakMethod(message.ack), weakref.WeakMethod(message.reject)
+    channel, tag = message.channel, message.delivery_tag
+
+    def settle(method: weakref.WeakMethod[Any], **options: bool) -> None:
+        bound = method()
+        if bound is None:
+            # The QoS holds each message until it is settled or forgotten: a message that
+            # no longer exists has nothing left to settle.
+            return
+        try:
+            bound(**options)
+        except errors:
+            channel.qos._quick_ack(tag)
+            raise
 
     def ack_or_forget(multiple: bool = False) -> None:
-        try:
-            ack(multiple=multiple)
-        except errors:
-            forget()
-            raise
+        settle(ack, multiple=multiple)
 
     def reject_or_forget(requeue: bool = False) -> None:
-        try:
-            reject(requeue=requeue)
-        except errors:
-            forget()
-            raise
+        settle(reject, requeue=requeue)
 
     message.ack, message.reject = ack_or_forget, reject_or_forget
 

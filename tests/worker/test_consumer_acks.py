@@ -1,0 +1,106 @@
+"""The consumer's ack and reject wrappers, on real kombu messages (in-memory transport).
+
+A prefetch window of one message: ``qos.can_consume()`` tells whether its slot is free.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kombu import connection, entity, messaging
+
+from worker.consumer import _release_slot_when_broker_lost
+
+# kombu's hints are partial (untyped functions): its classes are used as Any here.
+Connection: Any = connection.Connection
+Producer: Any = messaging.Producer
+Queue: Any = entity.Queue
+
+ERRORS = (ConnectionError,)
+
+
+@pytest.fixture
+def channel() -> Iterator[Any]:
+    with Connection("memory://") as connection:
+        channel = connection.channel()
+        channel.basic_qos(0, 1, False)
+        queue = Queue("acks", channel=channel)
+        queue.declare()
+        yield channel
+        queue.delete()
+        channel.close()
+
+
+def _delivered(channel: Any) -> Any:
+    """A 200 KB message taken from the queue, wrapped as the consumer wraps it."""
+    Producer(channel).publish(
+        b"x" * 200_000,
+        routing_key="acks",
+        content_type="application/octet-stream",
+        content_encoding="binary",
+    )
+    message = Queue("acks", channel=channel).get(no_ack=False)
+    assert message is not None
+    _release_slot_when_broker_lost(message, ERRORS)
+    return message
+
+
+def _unreachable(*args: Any, **kwargs: Any) -> None:
+    raise ConnectionError("broker down")
+
+
+def test_an_acknowledged_message_is_freed_without_waiting_for_the_garbage_collector(
+    channel: Any,
+) -> None:
+    # Given a delivered message, and no cyclic garbage collection
+    message = _delivered(channel)
+    alive = weakref.ref(message)
+    gc.disable()
+    try:
+        # When it is acknowledged and dropped, and the QoS forgets it (at the next delivery)
+        message.ack()
+        del message
+        _delivered(channel).ack()
+        # Then reference counting alone has freed it, body and all: no cycle holds it
+        assert alive() is None
+    finally:
+        gc.enable()
+
+
+def test_an_ack_that_cannot_reach_the_broker_frees_the_prefetch_slot(
+    channel: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a delivered message, which takes the one prefetch slot, and a broker gone away
+    message = _delivered(channel)
+    assert not channel.qos.can_consume()
+    monkeypatch.setattr(channel, "basic_ack", _unreachable)
+    # When it is acknowledged, Then the error reaches the caller (Celery logs it) ...
+    with pytest.raises(ConnectionError):
+        message.ack()
+    # ... and the slot is free again, so that the worker keeps polling the broker
+    assert channel.qos.can_consume()
+
+
+def test_a_reject_that_cannot_reach_the_broker_frees_the_prefetch_slot(
+    channel: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a delivered message and a broker gone away
+    message = _delivered(channel)
+    monkeypatch.setattr(channel, "basic_reject", _unreachable)
+    # When it is requeued, Then the error reaches the caller and the slot is free again
+    with pytest.raises(ConnectionError):
+        message.reject(requeue=True)
+    assert channel.qos.can_consume()
+
+
+def test_a_reachable_broker_settles_the_message_as_kombu_would(channel: Any) -> None:
+    # Given a delivered message
+    message = _delivered(channel)
+    # When it is acknowledged with the broker up, Then kombu records it and frees the slot
+    message.ack()
+    assert message.acknowledged
+    assert channel.qos.can_consume()
