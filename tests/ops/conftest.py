@@ -13,26 +13,19 @@ import redis
 
 from tasks.client import CheckpointClient
 from tests.support.metrics import Samples, scrape, value
-from tests.support.servers import RedisServer, free_port, wait_until
+from tests.support.servers import RedisServer, free_port
+from tests.support.workers import QUEUE, TEST_WORKER_SETTINGS, wait_redis_queue_drained
 from tests.worker.celery_processes import REPO, CeleryProcess, checkpointq_env
 from worker.settings import Settings
-
-QUEUE = "checkpoints"
 
 #: Re-exported for the tests here, which import them from this module.
 __all__ = ["QUEUE", "Samples", "System", "scrape", "value"]
 
-#: Quick heartbeats (they live 3 intervals), quick retries, a small message limit.
+#: Quick heartbeats (they live 3 intervals), and room for the truncation test's messages.
 WORKER_SETTINGS: dict[str, object] = {
-    "queue": QUEUE,
-    "concurrency": 2,
-    "pool": "prefork",
+    **TEST_WORKER_SETTINGS,
     "heartbeat_seconds": 0.5,
-    "retry_max": 40,
-    "retry_backoff_seconds": 0.1,
-    "retry_backoff_max_seconds": 0.5,
     "max_message_bytes": 256 * 1024,
-    "shutdown_timeout_seconds": 2,
 }
 
 
@@ -76,15 +69,7 @@ class System:
 
     def wait_drained(self, timeout: float = 30.0) -> None:
         """Until the queue is empty and the worker holds no unacknowledged message."""
-        client = self.broker_client()
-        try:
-            wait_until(
-                lambda: client.llen(QUEUE) == 0 and client.hlen("unacked") == 0,
-                timeout=timeout,
-                message="the worker to drain the queue",
-            )
-        finally:
-            client.close()
+        wait_redis_queue_drained(self.broker_client, timeout)
 
     def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         """``checkpointq <args>`` in a subprocess with this system's settings."""

@@ -20,24 +20,13 @@ import redis
 
 from tests.support.sentinel import SentinelGroup
 from tests.support.servers import RedisServer, wait_until
+from tests.support.workers import QUEUE, TEST_WORKER_SETTINGS
 from tests.worker.celery_processes import CeleryProcess, checkpointq_env
 from worker.settings import Settings
 
-QUEUE = "checkpoints"
-
-#: Worker settings shared by the scale tests: quick retries, the shortest visibility timeout
-#: the settings allow (a message held by a dead broker connection comes back soon).
-WORKER_SETTINGS: dict[str, object] = {
-    "queue": QUEUE,
-    "concurrency": 2,
-    "pool": "prefork",
-    "retry_max": 40,
-    "retry_backoff_seconds": 0.1,
-    "retry_backoff_max_seconds": 0.5,
-    "visibility_timeout": 10,
-    "max_message_bytes": 64 * 1024,
-    "shutdown_timeout_seconds": 2,
-}
+#: Worker settings shared by the scale tests: the shortest visibility timeout the settings
+#: allow (a message held by a dead broker connection comes back soon).
+WORKER_SETTINGS: dict[str, object] = {**TEST_WORKER_SETTINGS, "visibility_timeout": 10}
 
 RABBIT_HOST, RABBIT_PORT = "127.0.0.1", 5672
 

@@ -19,10 +19,11 @@ from store.keys import KeySpace
 from store.redis import RedisStore
 from store.serde import checkpoint_to_wire
 from tasks.client import DELETE, EXPIRE_STALE, SAVE
-from tests.scale.conftest import QUEUE, Fleet, RedisQueueProbe, wait_drained
+from tests.scale.conftest import Fleet, RedisQueueProbe, wait_drained
 from tests.scale.load import all_applied, expected_state, mismatches, mixed_load
 from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import RedisServer, wait_until
+from tests.support.workers import QUEUE
 from tests.worker.envelopes import protocol2
 from worker.health import live_workers
 

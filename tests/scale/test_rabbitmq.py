@@ -21,10 +21,11 @@ from store.keys import KeySpace
 from store.serde import checkpoint_to_wire
 from tasks.client import DELETE, SAVE, CheckpointClient
 from tasks.dead_letters import DeadLetters, Reason
-from tests.scale.conftest import QUEUE, Fleet, RabbitVhost, wait_drained
+from tests.scale.conftest import Fleet, RabbitVhost, wait_drained
 from tests.scale.load import all_applied, expected_state, mismatches, mixed_load
 from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import RedisServer, wait_until
+from tests.support.workers import QUEUE
 
 pytestmark = pytest.mark.integration
 

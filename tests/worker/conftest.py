@@ -15,23 +15,13 @@ import redis
 from store.keys import KeySpace
 from tasks.client import CheckpointClient
 from tasks.dead_letters import DeadLetters
-from tests.support.servers import RedisServer, wait_until
+from tests.support.servers import RedisServer
+from tests.support.workers import TEST_WORKER_SETTINGS, wait_redis_queue_drained
 from tests.worker.celery_processes import CeleryProcess, checkpointq_env
 from worker.settings import Settings
 
-QUEUE = "checkpoints"
-
 #: Worker settings for the end-to-end tests: quick retries, a small message limit.
-WORKER_SETTINGS: dict[str, object] = {
-    "queue": QUEUE,
-    "concurrency": 2,
-    "pool": "prefork",
-    "retry_max": 40,
-    "retry_backoff_seconds": 0.1,
-    "retry_backoff_max_seconds": 0.5,
-    "max_message_bytes": 64 * 1024,
-    "shutdown_timeout_seconds": 2,
-}
+WORKER_SETTINGS = TEST_WORKER_SETTINGS
 
 
 @dataclass
@@ -57,15 +47,7 @@ class Deployment:
 
     def wait_drained(self, timeout: float = 20.0) -> None:
         """Until the queue is empty and no message is held unacknowledged by the worker."""
-        client = self.broker_client()
-        try:
-            wait_until(
-                lambda: client.llen(QUEUE) == 0 and client.hlen("unacked") == 0,
-                timeout=timeout,
-                message="the worker to drain the queue",
-            )
-        finally:
-            client.close()
+        wait_redis_queue_drained(self.broker_client, timeout)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ from tasks.dead_letters import Reason
 from tasks.errors import NotReplayable
 from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import wait_until
-from tests.worker.conftest import QUEUE, Deployment
+from tests.support.workers import QUEUE
+from tests.worker.conftest import Deployment
 from tests.worker.envelopes import protocol1, protocol2
 
 pytestmark = pytest.mark.integration
