@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -116,3 +117,36 @@ def test_refresh_moves_value_ttl_and_index_deadline_together(real_redis: redis.R
     deadline = real_redis.zscore(long.keys.index(), "s1")
     assert deadline is not None
     assert deadline > short.clock() * 1000 + 999_000
+
+
+def test_tls_url_connects_and_verifies_the_server(tmp_path: Path) -> None:
+    # Given a redis-server speaking TLS only, with a certificate made for this test
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    port = free_port()
+    tls = ["--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+           "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"]  # fmt: skip
+    process = subprocess.Popen(
+        ["redis-server", "--port", "0", "--save", "", "--dir", str(tmp_path), *tls],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        # When the store connects with a rediss:// URL that trusts that certificate
+        store = RedisStore.from_url(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}")
+        wait_until(lambda: store.save(make_checkpoint("s1"), seq=1).applied, timeout=10,
+                   message="a save over TLS")  # fmt: skip
+        # Then it reads and writes as over plain TCP ...
+        assert store.load("s1") is not None
+        # ... and a client that does not trust the certificate is refused
+        untrusting = RedisStore.from_url(f"rediss://127.0.0.1:{port}/0", socket_timeout=2)
+        with pytest.raises(StoreUnavailable):
+            untrusting.load("s1")
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
