@@ -21,6 +21,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import redis  # noqa: E402
+
 from store.keys import KeySpace  # noqa: E402
 from store.serde import checkpoint_to_wire  # noqa: E402
 from tests.support.checkpoints import checkpoint_of_size  # noqa: E402
@@ -54,6 +56,18 @@ def running_worker(
         worker.stop()
 
 
+def release_and_time_drain(client: redis.Redis, messages: int) -> float:
+    """Move the staged messages into the queue at once; seconds from the first one taken
+    until the queue is empty with nothing left unacknowledged."""
+    client.rename(STAGING, QUEUE)
+    while client.llen(QUEUE) >= messages:
+        time.sleep(0.001)
+    start = time.perf_counter()
+    while client.llen(QUEUE) or client.hlen("unacked"):
+        time.sleep(0.005)
+    return time.perf_counter() - start
+
+
 def drain(
     broker: RedisServer, task: str, messages: int, size: int, tag: str, per_message: int = 1
 ) -> float:
@@ -84,13 +98,7 @@ def drain(
         if i % 200 == 199:
             pipe.execute()
     pipe.execute()
-    client.rename(STAGING, QUEUE)
-    while client.llen(QUEUE) >= messages:
-        time.sleep(0.001)
-    start = time.perf_counter()
-    while client.llen(QUEUE) or client.hlen("unacked"):
-        time.sleep(0.005)
-    elapsed = time.perf_counter() - start
+    elapsed = release_and_time_drain(client, messages)
     client.close()
     rate = messages * (per_message if task == APPLY_BATCH else 1) / elapsed
     print(

@@ -23,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.worker_drain import QUEUE, STAGING, release_and_time_drain  # noqa: E402
 from store.keys import KeySpace  # noqa: E402
 from store.serde import checkpoint_to_wire  # noqa: E402
 from tasks.client import CheckpointClient  # noqa: E402
@@ -32,9 +33,6 @@ from tests.support.servers import RedisServer  # noqa: E402
 from tests.worker.celery_processes import CeleryProcess, checkpointq_env  # noqa: E402
 from tests.worker.envelopes import protocol2  # noqa: E402
 from worker.settings import Settings  # noqa: E402
-
-QUEUE = "checkpoints"
-STAGING = "bench-staging"
 
 
 def drain_rate(workers: int, concurrency: int, messages: int, size: int) -> tuple[float, int]:
@@ -55,13 +53,7 @@ def drain_rate(workers: int, concurrency: int, messages: int, size: int) -> tupl
             if i % 500 == 499:
                 pipe.execute()
         pipe.execute()
-        client.rename(STAGING, QUEUE)
-        while client.llen(QUEUE) >= messages:
-            time.sleep(0.001)
-        start = time.perf_counter()
-        while client.llen(QUEUE) or client.hlen("unacked"):
-            time.sleep(0.005)
-        elapsed = time.perf_counter() - start
+        elapsed = release_and_time_drain(client, messages)
         client.close()
         stored = store.client()
         keys = KeySpace()
