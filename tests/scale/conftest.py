@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import pytest
 import redis
 
+from tasks.client import CheckpointClient
 from tests.support.sentinel import SentinelGroup
 from tests.support.servers import RedisServer, wait_until
 from tests.support.workers import QUEUE, TEST_WORKER_SETTINGS
@@ -160,6 +161,14 @@ def sentinel_group() -> Iterator[SentinelGroup]:
 
 
 @pytest.fixture(scope="module")
+def broker_server() -> Iterator[RedisServer]:
+    """A plain Redis broker for the module (tests of other brokers don't ask for it)."""
+    server = RedisServer().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture(scope="module")
 def store_server() -> Iterator[RedisServer]:
     server = RedisServer().start()
     yield server
@@ -173,3 +182,10 @@ def store_client(store_server: RedisServer) -> Iterator[redis.Redis]:
     client.flushall()
     yield client
     client.close()
+
+
+@pytest.fixture
+def client(fleet: Fleet, store_client: redis.Redis) -> Iterator[CheckpointClient]:
+    """A producer for the module's ``fleet``, on a store emptied before the test."""
+    with CheckpointClient.from_settings(fleet.settings) as client:
+        yield client

@@ -36,13 +36,6 @@ def cluster() -> Iterator[LocalCluster]:
 
 
 @pytest.fixture(scope="module")
-def broker_server() -> Iterator[RedisServer]:
-    server = RedisServer().start()
-    yield server
-    server.cleanup()
-
-
-@pytest.fixture(scope="module")
 def fleet(cluster: LocalCluster, broker_server: RedisServer) -> Iterator[Fleet]:
     fleet = Fleet.of(
         broker_url=broker_server.url,

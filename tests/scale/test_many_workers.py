@@ -34,13 +34,6 @@ STAGING = "scale-staging"
 
 
 @pytest.fixture(scope="module")
-def broker_server() -> Iterator[RedisServer]:
-    server = RedisServer().start()
-    yield server
-    server.cleanup()
-
-
-@pytest.fixture(scope="module")
 def fleet(broker_server: RedisServer, store_server: RedisServer) -> Iterator[Fleet]:
     fleet = Fleet.of(broker_url=broker_server.url, store_url=store_server.url, concurrency=1)
     try:

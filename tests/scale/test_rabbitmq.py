@@ -43,12 +43,6 @@ def fleet(rabbit_vhost: RabbitVhost, store_server: RedisServer) -> Iterator[Flee
         fleet.stop()
 
 
-@pytest.fixture
-def client(fleet: Fleet, store_client: redis.Redis) -> Iterator[CheckpointClient]:
-    with CheckpointClient.from_settings(fleet.settings) as client:
-        yield client
-
-
 def test_client_publishes_with_confirms_over_celery(client: CheckpointClient) -> None:
     # Given a client built from RabbitMQ settings
     # Then it publishes through Celery with publisher confirms on

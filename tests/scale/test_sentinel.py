@@ -55,12 +55,6 @@ def fleet(group: SentinelGroup, store_server: RedisServer) -> Iterator[Fleet]:
         fleet.stop()
 
 
-@pytest.fixture
-def client(fleet: Fleet, store_client: redis.Redis) -> Iterator[CheckpointClient]:
-    with CheckpointClient.from_settings(fleet.settings) as client:
-        yield client
-
-
 def broker_probe(group: SentinelGroup) -> RedisQueueProbe:
     return RedisQueueProbe(lambda: group.current_master().client())
 
