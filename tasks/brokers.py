@@ -47,10 +47,26 @@ _SCHEMES = {
 }
 
 
+#: The schemes named in "unsupported broker" errors, in the order a reader looks for them.
+SUPPORTED_SCHEMES = ("redis", "rediss", "unix", "redis+socket", "sentinel", "amqp", "amqps")
+
+
+def broker_scheme(url: str) -> str:
+    """The scheme of ``url`` (of the first of ``;``-separated URLs), lower-cased."""
+    return urlsplit(url.split(";", 1)[0].strip()).scheme.lower()
+
+
 def broker_kind(url: str) -> BrokerKind:
     """The kind of broker ``url`` names (by its scheme; the first of ``;``-separated URLs)."""
-    first = url.split(";", 1)[0].strip()
-    return _SCHEMES.get(urlsplit(first).scheme.lower(), BrokerKind.OTHER)
+    return _SCHEMES.get(broker_scheme(url), BrokerKind.OTHER)
+
+
+def is_known_transport(url: str) -> bool:
+    """Whether kombu has a transport for ``url``'s scheme (``http://`` has none)."""
+    from kombu.transport import TRANSPORT_ALIASES
+
+    scheme = broker_scheme(url)
+    return scheme in _SCHEMES or scheme in {alias.lower() for alias in TRANSPORT_ALIASES}
 
 
 def transport_options(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -70,6 +71,10 @@ class _Cli(click.Group):
             return super().invoke(ctx)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
+        except BrokenPipeError:
+            # The reader went away (`checkpointq ls | head -1`): what it wanted was printed.
+            _quiet_stdout()
+            raise click.exceptions.Exit(0) from None
         except CheckpointError as exc:
             raise CliFailure(str(exc)) from None
         except (redis.RedisError, RedisClusterException) as exc:
@@ -78,6 +83,13 @@ class _Cli(click.Group):
             raise CliFailure(f"broker: {type(exc).__name__}: {exc}") from None
         except OSError as exc:
             raise CliFailure(f"{type(exc).__name__}: {exc}") from None
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _settings(*, resolve: bool = True) -> Settings:
@@ -108,6 +120,7 @@ def _configure_logging(settings: Settings) -> None:
 
 
 @click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="checkpointq", prog_name="checkpointq")
 def cli() -> None:
     """Persist AI-agent session checkpoints through Celery workers on Redis."""
 
@@ -507,7 +520,14 @@ def dlq_purge(as_json: bool) -> None:
 
 def main() -> None:
     """The console script's entry point."""
-    cli(prog_name="checkpointq")
+    try:
+        try:
+            cli(prog_name="checkpointq")
+        finally:
+            sys.stdout.flush()  # here, not at interpreter exit, so a closed pipe is caught
+    except BrokenPipeError:
+        _quiet_stdout()
+        sys.exit(0)
 
 
 if __name__ == "__main__":  # `python -m worker.cli`, how `up` starts its children

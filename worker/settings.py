@@ -16,7 +16,13 @@ from store.base import StoreOptions
 from store.cluster import is_cluster_url
 from store.keys import DEFAULT_PREFIX, DEFAULT_SHARDS
 from store.urls import redact_url
-from tasks.brokers import BrokerKind, broker_kind
+from tasks.brokers import (
+    SUPPORTED_SCHEMES,
+    BrokerKind,
+    broker_kind,
+    broker_scheme,
+    is_known_transport,
+)
 
 DAY = 24 * 60 * 60
 
@@ -134,6 +140,12 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _brokers_fit(self) -> Settings:
+        if self.broker_url and not is_known_transport(self.broker_url):
+            accepted = ", ".join(f"{scheme}://" for scheme in SUPPORTED_SCHEMES)
+            raise ValueError(
+                f"unsupported broker URL scheme {broker_scheme(self.broker_url)!r}: "
+                f"use one of {accepted}"
+            )
         kind = broker_kind(self.broker_url) if self.broker_url else BrokerKind.REDIS
         if kind is not BrokerKind.REDIS and not self.store_url:
             # Only a plain Redis broker can double as the store: an amqp:// or sentinel://

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -164,3 +166,29 @@ def test_a_redis_socket_broker_url_also_serves_the_store(
         assert json.loads(result.stdout)["sessionId"] == "on-socket"
     finally:
         server.cleanup()
+
+
+def test_ls_into_a_reader_that_stops_early_exits_quietly(cli_env: Cli, store: RedisStore) -> None:
+    # Given more sessions than a pipe buffer holds as one line each
+    for i in range(3000):
+        store.save(make_checkpoint(f"piped-session-{i:05d}"))
+
+    # When `checkpointq ls` is read like `| head -1`: one line, then the pipe is closed
+    process = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", "ls", "--page-size", "3000"],
+        cwd=cli_env.cwd,
+        env=cli_env.process_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert process.stdout is not None and process.stderr is not None
+    first = process.stdout.readline()
+    process.stdout.close()
+    stderr = process.stderr.read()
+    process.stderr.close()
+    returncode = process.wait(timeout=60)
+
+    # Then the line it read is a session id, and the command ends with no error at all
+    assert first.decode().startswith("piped-session-")
+    assert stderr == b""
+    assert returncode == 0

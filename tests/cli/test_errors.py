@@ -77,3 +77,27 @@ def test_an_invalid_checkpoint_file_is_refused_before_anything_is_enqueued(
     assert result.exit_code == 1
     assert result.stderr.count("\n") == 1
     assert "sessionId" in result.stderr
+
+
+def test_an_unsupported_broker_scheme_is_named_with_the_accepted_ones(
+    cli_offline: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CHECKPOINTQ_BROKER_URL", f"http://user:{SECRET}@broker.example:80/")
+
+    result = cli_offline("show", "s1")
+
+    assert result.exit_code == 1
+    assert result.stderr.count("\n") == 1
+    assert "unsupported broker URL scheme 'http'" in result.stderr
+    assert "redis://" in result.stderr and "amqp://" in result.stderr
+    assert "store_url is required" not in result.stderr
+    assert SECRET not in result.output
+
+
+def test_version_prints_the_installed_version(cli_offline: Cli) -> None:
+    from importlib.metadata import version
+
+    completed = cli_offline.run("--version")
+
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.strip() == f"checkpointq, version {version('checkpointq')}"
