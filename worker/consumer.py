@@ -137,6 +137,21 @@ def _release_slot_when_broker_lost(
     message.ack, message.reject = ack_or_forget, reject_or_forget
 
 
+def _leave_for_redelivery(message: Message) -> None:
+    """Free the message's prefetch slot, but leave it unacknowledged on the broker.
+
+    Used when its dead letter cannot be written (store down): acking would lose it, and
+    holding it would keep the slot taken for good, so after a few such messages the worker
+    would stop consuming even once the store is back. kombu's Redis QoS forgets it locally;
+    the broker's ``unacked`` entry stays, and the visibility timeout redelivers it. Only
+    virtual transports (Redis) have that local bookkeeping; on RabbitMQ the message stays
+    held until the connection closes, as before.
+    """
+    quick_ack = getattr(getattr(message.channel, "qos", None), "_quick_ack", None)
+    if quick_ack is not None:
+        quick_ack(message.delivery_tag)
+
+
 class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no type hints
     """Celery's consumer, with every refused message recorded as a dead letter."""
 
@@ -168,6 +183,7 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no 
             )
         except StoreUnavailable:
             logger.error("left %s [%s] unacknowledged for redelivery", task, task_id)
+            _leave_for_redelivery(message)
             return False
         observers.notify(
             observers.Observation(

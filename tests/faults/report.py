@@ -17,6 +17,13 @@ from tests.faults.harness import REPO, RESULTS
 
 TARGET = REPO / "docs" / "reliability.md"
 
+
+def _scenario_order(path: Path) -> tuple[int, str]:
+    """Scenarios in number order (2 before 11), then by name (5a before 5b)."""
+    number = path.stem.split("-", 1)[0].rstrip("abcdefghijklmnopqrstuvwxyz")
+    return (int(number) if number.isdigit() else 1_000_000, path.stem)
+
+
 COLUMNS = [
     ("scenario", "Scenario"),
     ("load", "Load"),
@@ -57,7 +64,8 @@ SETTINGS = Path(__file__).with_name("report_settings.md")
 
 
 def render(mode: str) -> str:
-    rows = [json.loads(p.read_text()) for p in sorted((RESULTS / mode).glob("*.json"))]
+    paths = sorted((RESULTS / mode).glob("*.json"), key=_scenario_order)
+    rows = [json.loads(p.read_text()) for p in paths]
     flag = " --long" if mode == "long" else ""
     lines = [HEADER.format(mode=mode, flag=flag)]
     lines.append("| " + " | ".join(title for _, title in COLUMNS) + " |")

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from kombu import connection, entity, messaging
 
-from worker.consumer import _release_slot_when_broker_lost
+from worker.consumer import _leave_for_redelivery, _release_slot_when_broker_lost
 
 # kombu's hints are partial (untyped functions): its classes are used as Any here.
 Connection: Any = connection.Connection
@@ -104,3 +104,16 @@ def test_a_reachable_broker_settles_the_message_as_kombu_would(channel: Any) -> 
     message.ack()
     assert message.acknowledged
     assert channel.qos.can_consume()
+
+
+def test_a_message_left_for_redelivery_frees_its_slot_and_stays_unacknowledged(
+    channel: Any,
+) -> None:
+    # Given a delivered message whose dead letter could not be written (store down)
+    message = _delivered(channel)
+    assert not channel.qos.can_consume()
+    # When it is left for redelivery
+    _leave_for_redelivery(message)
+    # Then the worker can take the next message, and this one was never settled
+    assert channel.qos.can_consume()
+    assert not message.acknowledged
