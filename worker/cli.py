@@ -111,6 +111,25 @@ def json_option(function: F) -> F:
     )(function)
 
 
+def wait_options(function: F) -> F:
+    """``--wait`` and its ``--timeout``, shared by the commands that enqueue a request."""
+    function = click.option(
+        "--timeout",
+        type=click.FloatRange(min=0, min_open=True),
+        default=10.0,
+        show_default=True,
+        metavar="SECONDS",
+        help="With --wait: how long to wait for a worker before failing with exit 1 (the "
+        "request stays queued and may still be applied).",
+    )(function)
+    return click.option(
+        "--wait",
+        is_flag=True,
+        help="Return only once a worker has made the request durable in the store "
+        "(read-your-writes), instead of as soon as it is enqueued.",
+    )(function)
+
+
 def _configure_logging(settings: Settings) -> None:
     logging.basicConfig(
         level=settings.log_level,
@@ -204,8 +223,7 @@ def _handle_json(handle: Handle, durable: bool) -> dict[str, Any]:
 
 @cli.command()
 @click.argument("source", type=click.File("rb"), metavar="FILE|-")
-@click.option("--wait", is_flag=True, help="Return only once a worker has applied it.")
-@click.option("--timeout", type=float, default=10.0, show_default=True, help="For --wait, s.")
+@wait_options
 @json_option
 def save(source: IO[bytes], wait: bool, timeout: float, as_json: bool) -> None:
     """Enqueue a save of the checkpoint JSON in FILE (or stdin)."""
@@ -225,8 +243,7 @@ def save(source: IO[bytes], wait: bool, timeout: float, as_json: bool) -> None:
 
 @cli.command()
 @click.argument("session_id")
-@click.option("--wait", is_flag=True, help="Return only once a worker has applied it.")
-@click.option("--timeout", type=float, default=10.0, show_default=True, help="For --wait, s.")
+@wait_options
 @json_option
 def delete(session_id: str, wait: bool, timeout: float, as_json: bool) -> None:
     """Enqueue a delete of a session (a tombstone keeps late saves from resurrecting it)."""
@@ -321,7 +338,12 @@ def stats(as_json: bool) -> None:
 
 @cli.command()
 @click.option(
-    "--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True, help="s."
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=1.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Seconds between two refreshes of the screen.",
 )
 @click.option("--once", is_flag=True, help="Draw one screen and exit.")
 def top(interval: float, once: bool) -> None:

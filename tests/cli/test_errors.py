@@ -101,3 +101,19 @@ def test_version_prints_the_installed_version(cli_offline: Cli) -> None:
 
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.strip() == f"checkpointq, version {version('checkpointq')}"
+
+
+@pytest.mark.parametrize("command", ["save", "delete"])
+def test_wait_options_explain_themselves_and_refuse_a_timeout_that_is_not_positive(
+    cli_offline: Cli, command: str
+) -> None:
+    help_text = " ".join(cli_offline(command, "--help").stdout.split())
+    assert "--timeout SECONDS" in help_text
+    assert "durable in the store" in help_text
+    assert "the request stays queued" in help_text
+
+    target = "-" if command == "save" else "s1"
+    result = cli_offline(command, target, "--wait", "--timeout", "0", input="{}")
+
+    assert result.exit_code == 2
+    assert "--timeout" in result.stderr
