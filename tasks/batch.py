@@ -20,12 +20,13 @@ from typing import Any
 
 from celery import Task
 
-from store.base import BatchOp, BatchResult, DeleteOp, SaveOp, SaveResult, validate_seq
+from store.base import BatchOp, BatchResult, DeleteOp, SaveOp, SaveResult
 from store.errors import InvalidInput
 from store.model import validate_session_id
 from store.serde import checkpoint_from_wire, dumps_go
 from tasks import observers, runtime
 from tasks.dead_letters import Reason
+from tasks.seq import accepted_seq
 
 APPLY_BATCH = "checkpoint.apply_batch"
 SAVE = "checkpoint.save"
@@ -55,8 +56,7 @@ def parse_item(item: object) -> BatchOp:
     unknown = sorted(set(item) - allowed)
     if unknown:
         raise InvalidInput(f"unknown field(s) {unknown} in a {op} item", field="item")
-    seq = item.get("seq")
-    seq = None if seq is None else validate_seq(seq)
+    seq = accepted_seq(item.get("seq"))
     if op == "save":
         return SaveOp(checkpoint_from_wire(item.get("checkpoint")), seq)
     return DeleteOp(validate_session_id(item.get("session_id")), seq)

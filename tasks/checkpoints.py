@@ -25,12 +25,12 @@ from typing import Any
 
 from celery import Celery, Task
 
-from store.base import validate_seq
 from store.errors import InvalidInput, StoreUnavailable
 from store.model import validate_session_id
 from store.serde import checkpoint_from_wire
 from tasks import batch, observers, runtime
 from tasks.dead_letters import Reason
+from tasks.seq import accepted_seq
 from tasks.sweep import sweep
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ Outcome = dict[str, Any]
 def save(checkpoint: object, seq: int | None = None) -> Outcome:
     """Apply a save unless a newer request (or a delete) already won."""
     cp = checkpoint_from_wire(checkpoint)
-    seq = None if seq is None else validate_seq(seq)
+    seq = accepted_seq(seq)
     result = runtime.current().store.save(cp, seq)
     return {
         "outcome": "applied" if result.applied else "stale",
@@ -64,7 +64,7 @@ def save(checkpoint: object, seq: int | None = None) -> Outcome:
 def delete(session_id: object, seq: int | None = None) -> Outcome:
     """Delete a session and leave a tombstone, unless a newer save already won."""
     sid = validate_session_id(session_id)
-    seq = None if seq is None else validate_seq(seq)
+    seq = accepted_seq(seq)
     applied = runtime.current().store.delete(sid, seq)
     return {"outcome": "deleted" if applied else "stale", "session_id": sid, "seq": seq}
 

@@ -30,6 +30,8 @@ class Runtime:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     #: Largest accepted request (JSON arguments), bytes.
     max_message_bytes: int = 8 * 1024 * 1024
+    #: How far (µs) a request's ``seq`` may be ahead of this worker's clock (tasks/seq.py).
+    max_seq_ahead_us: int = 300_000_000
     #: Most sessions one sweep expires.
     sweep_limit: int = 10_000
     #: Entries kept in the events stream.

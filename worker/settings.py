@@ -73,6 +73,10 @@ class Settings(BaseSettings):
     max_value_bytes: int = Field(default=1024 * 1024, ge=1024)
     #: Largest task message accepted, bytes (JSON body); larger ones are dead-lettered.
     max_message_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    #: How far a request's ``seq`` (the producer's clock, µs) may be ahead of the worker's
+    #: clock; further ahead, it is dead-lettered, since it would make every later request
+    #: for its session stale until the clocks meet (tasks/seq.py).
+    max_seq_ahead_seconds: float = Field(default=300.0, gt=0)
 
     # -- delivery ---------------------------------------------------------------------
     #: Seconds before Redis redelivers a message a worker fetched but never acknowledged

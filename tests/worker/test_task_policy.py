@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -88,6 +89,34 @@ def test_invalid_input_is_dead_lettered_without_retry(
     (letter,) = rt.dead_letters.list().entries
     assert letter.task == checkpoints.DELETE and letter.args == ["ok"]
     assert letter.kwargs == {"seq": True} and letter.retries == 0 and letter.replayable
+
+
+@pytest.mark.parametrize("task", [checkpoints.SAVE, checkpoints.DELETE])
+def test_a_seq_far_ahead_of_the_worker_clock_is_dead_lettered_with_the_reason(
+    app: Celery, redis: fakeredis.FakeRedis, task: str
+) -> None:
+    # Given a session applied at the worker's own time
+    rt = install(InMemoryStore(), redis)
+    now = time.time_ns() // 1000
+    wire = checkpoint_to_wire(make_checkpoint("s", version=1))
+    assert apply(app, checkpoints.SAVE, wire, seq=now)["outcome"] == "applied"
+    first = wire if task == checkpoints.SAVE else "s"
+    # When a producer whose clock is an hour ahead sends a request, and one a minute ahead
+    ahead = apply(app, task, first, seq=now + 3600 * 1_000_000)
+    near = apply(
+        app,
+        checkpoints.SAVE,
+        checkpoint_to_wire(make_checkpoint("s", version=2)),
+        seq=now + 60 * 1_000_000,
+    )
+    # Then the hour-ahead request is dead-lettered with the reason, and does not fence out
+    # the next correct request, which applies (a minute is within the default tolerance)
+    assert ahead["outcome"] == "dead_lettered" and ahead["kind"] == "invalid_input"
+    (letter,) = rt.dead_letters.list().entries
+    assert "ahead of this worker's clock" in letter.reason and letter.replayable
+    assert near["outcome"] == "applied"
+    loaded = rt.store.load("s")
+    assert loaded is not None and loaded.version == 2
 
 
 def test_unavailable_store_is_retried_then_dead_lettered(
