@@ -95,6 +95,18 @@ def _json_depth(message: Message) -> int:
     return max(itertools.accumulate(_STEP[b] for b in brackets), default=0)
 
 
+def _forget_locally(channel: Any, tag: Any) -> None:
+    """Free a delivered message's prefetch slot without telling the broker anything.
+
+    kombu's virtual (Redis) QoS keeps that bookkeeping; the broker's ``unacked`` entry
+    stays, so the visibility timeout redelivers the message. Other transports have no such
+    bookkeeping, and then this does nothing.
+    """
+    quick_ack = getattr(getattr(channel, "qos", None), "_quick_ack", None)
+    if quick_ack is not None:
+        quick_ack(tag)
+
+
 def _release_slot_when_broker_lost(
     message: Message, errors: tuple[type[BaseException], ...]
 ) -> None:
@@ -125,7 +137,7 @@ def _release_slot_when_broker_lost(
         try:
             bound(**options)
         except errors:
-            channel.qos._quick_ack(tag)
+            _forget_locally(channel, tag)
             raise
 
     def ack_or_forget(multiple: bool = False) -> None:
@@ -147,9 +159,7 @@ def _leave_for_redelivery(message: Message) -> None:
     virtual transports (Redis) have that local bookkeeping; on RabbitMQ the message stays
     held until the connection closes, as before.
     """
-    quick_ack = getattr(getattr(message.channel, "qos", None), "_quick_ack", None)
-    if quick_ack is not None:
-        quick_ack(message.delivery_tag)
+    _forget_locally(message.channel, message.delivery_tag)
 
 
 class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no type hints

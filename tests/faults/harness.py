@@ -534,6 +534,14 @@ class Deployment:
     def logs(self) -> list[str]:
         return [text for proc in self.processes for text in proc.logs()]
 
+    def wait_dead_letters(self, count: int, timeout: float = 60.0) -> DeadLetters:
+        """Wait until exactly ``count`` dead letters are recorded; return the stream."""
+        letters = self.dead_letters()
+        wait_until(
+            lambda: letters.count() == count, timeout=timeout, message=f"{count} dead letters"
+        )
+        return letters
+
     def backlog(self) -> int:
         """Messages waiting in the queue plus messages fetched but not yet acknowledged."""
         client = self.broker_client()

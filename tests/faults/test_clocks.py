@@ -15,7 +15,6 @@ from tests.faults.harness import (
     push,
     seq_base,
 )
-from tests.support.servers import wait_until
 
 #: One hour in µs: the skew of the producer whose clock runs ahead.
 HOUR_US = 3600 * 1_000_000
@@ -38,8 +37,7 @@ def test_a_producer_clock_an_hour_ahead_cannot_freeze_its_sessions(
     # Then every correct request ends as if the skewed ones never came (none of them won a
     # fence), and each skewed one is a dead letter saying why
     verdict = deployment.settle(load, timeout=240)
-    letters = deployment.dead_letters()
-    wait_until(lambda: letters.count() == len(ahead), timeout=60, message="the dead letters")
+    letters = deployment.wait_dead_letters(len(ahead))
     reasons = {entry.reason for entry in letters.list(count=len(ahead)).entries}
     row = conclude(
         deployment,

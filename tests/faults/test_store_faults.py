@@ -40,12 +40,7 @@ def test_refused_messages_during_a_store_outage_leave_the_worker_consuming(
     # Then the same worker applies them all, and the refused messages, redelivered after the
     # visibility timeout, are dead-lettered instead of lost
     verdict = deployment.settle(load, timeout=240)
-    letters = deployment.dead_letters()
-    wait_until(
-        lambda: letters.count() == len(refused),
-        timeout=60,
-        message="the refused messages to be dead-lettered after redelivery",
-    )
+    deployment.wait_dead_letters(len(refused))
     row = conclude(
         deployment,
         verdict,
