@@ -16,9 +16,9 @@ import time
 from bench import worker_drain
 from bench.harness import RunConfig, SectionReport, Target, percentile
 from bench.workload import make_checkpoint
-from store import Checkpoint, RedisStore
-from tasks.batching import BatchingClient
-from tasks.client import CheckpointClient, Handle
+from checkpointq.store import Checkpoint, RedisStore
+from checkpointq.tasks.producer.batching import BatchingClient
+from checkpointq.tasks.producer.client import CheckpointClient, Handle
 from tests.support.servers import RedisServer
 
 SIZE = 20_000

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.checkpoints import CheckpointTask
-from worker.app import create_app
+from checkpointq.tasks.checkpoints import CheckpointTask
+from checkpointq.worker.app import create_app
 
 app = create_app()
 

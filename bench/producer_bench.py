@@ -22,9 +22,9 @@ from celery import Celery
 
 from bench.harness import RunConfig, SectionReport, Summary, Target, percentile, summarize
 from bench.workload import make_checkpoint
-from store import RedisStore
-from store.serde import checkpoint_to_wire
-from tasks.client import SAVE, CheckpointClient
+from checkpointq.store import RedisStore
+from checkpointq.store.serde import checkpoint_to_wire
+from checkpointq.tasks.producer.client import SAVE, CheckpointClient
 from tests.support.servers import RedisServer
 
 SIZE = 20_000

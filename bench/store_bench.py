@@ -23,7 +23,7 @@ from bench.harness import (
     summarize,
 )
 from bench.workload import make_checkpoint
-from store import Checkpoint, RedisStore, deserialize_checkpoint, serialize_checkpoint
+from checkpointq.store import Checkpoint, RedisStore, deserialize_checkpoint, serialize_checkpoint
 
 SIZES = (("2 KB", 2_000), ("20 KB", 20_000), ("200 KB", 200_000))
 #: Distinct sessions saved in turn, so no measurement rewrites one hot key only.

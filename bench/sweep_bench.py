@@ -4,7 +4,7 @@ The keyspace holds N sessions in the store's own layout (data key, fence hash, d
 index) beside 1M unrelated keys (``DEBUG POPULATE``). Writing a million sessions through
 ``save.lua`` would take minutes, so they are written with pipelined ``SET PX`` / ``HSET`` /
 ``PEXPIRE`` / ``ZADD``: the very structures, fields and TTLs ``save.lua`` writes, with key
-names from ``store.keys`` (checked against a real ``store.save`` before measuring).
+names from ``checkpointq.store.keys`` (checked against a real ``save`` before measuring).
 
 The "longest call" is Redis's own account: ``SLOWLOG`` with ``slowlog-log-slower-than 0``
 on the private server records how long Redis executed every command of the sweep, a Lua
@@ -31,7 +31,7 @@ from bench.harness import (
     summarize,
 )
 from bench.workload import make_checkpoint
-from store import RedisStore, StoreOptions
+from checkpointq.store import RedisStore, StoreOptions
 
 #: Sessions per pipeline while populating; the index gets one ZADD per batch.
 POPULATE_BATCH = 2_000

@@ -23,8 +23,8 @@ sys.path.insert(0, str(REPO))
 
 import redis  # noqa: E402
 
-from store.keys import KeySpace  # noqa: E402
-from store.serde import checkpoint_to_wire  # noqa: E402
+from checkpointq.store.keys import KeySpace  # noqa: E402
+from checkpointq.store.serde import checkpoint_to_wire  # noqa: E402
 from tests.support.checkpoints import checkpoint_of_size  # noqa: E402
 from tests.support.servers import RedisServer  # noqa: E402
 from tests.worker.celery_processes import CeleryProcess, checkpointq_env  # noqa: E402

@@ -24,15 +24,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.worker_drain import QUEUE, STAGING, release_and_time_drain  # noqa: E402
-from store.keys import KeySpace  # noqa: E402
-from store.serde import checkpoint_to_wire  # noqa: E402
-from tasks.client import CheckpointClient  # noqa: E402
+from checkpointq.store.keys import KeySpace  # noqa: E402
+from checkpointq.store.serde import checkpoint_to_wire  # noqa: E402
+from checkpointq.tasks.producer.client import CheckpointClient  # noqa: E402
+from checkpointq.worker.settings import Settings  # noqa: E402
 from tests.scale.conftest import RabbitVhost, rabbitmq_available  # noqa: E402
 from tests.support.checkpoints import checkpoint_of_size  # noqa: E402
 from tests.support.servers import RedisServer  # noqa: E402
 from tests.worker.celery_processes import CeleryProcess, checkpointq_env  # noqa: E402
 from tests.worker.envelopes import protocol2  # noqa: E402
-from worker.settings import Settings  # noqa: E402
 
 
 def drain_rate(workers: int, concurrency: int, messages: int, size: int) -> tuple[float, int]:

@@ -13,7 +13,12 @@ from datetime import UTC, datetime, timedelta
 
 import orjson
 
-from store import Checkpoint, CheckpointMetadata, ConversationMessage, serialize_checkpoint
+from checkpointq.store import (
+    Checkpoint,
+    CheckpointMetadata,
+    ConversationMessage,
+    serialize_checkpoint,
+)
 
 _VOCABULARY = """
 the of and to a in is it you that he was for on are with as I his they be at one have this

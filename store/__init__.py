@@ -3,7 +3,7 @@
 This package knows nothing of Celery; the worker and the producer client build on it.
 """
 
-from store.base import (
+from checkpointq.store.base import (
     BatchOp,
     BatchResult,
     CheckpointStore,
@@ -14,7 +14,7 @@ from store.base import (
     SaveResult,
     StoreOptions,
 )
-from store.errors import (
+from checkpointq.store.errors import (
     CheckpointError,
     CheckpointTooLarge,
     CorruptCheckpoint,
@@ -23,11 +23,20 @@ from store.errors import (
     InvalidSessionId,
     StoreUnavailable,
 )
-from store.keys import DEFAULT_PREFIX, KeySpace
-from store.memory import InMemoryStore
-from store.model import Checkpoint, CheckpointMetadata, ConversationMessage, validate_session_id
-from store.redis import RedisStore
-from store.serde import checkpoint_from_wire, deserialize_checkpoint, serialize_checkpoint
+from checkpointq.store.keys import DEFAULT_PREFIX, KeySpace
+from checkpointq.store.memory import InMemoryStore
+from checkpointq.store.model import (
+    Checkpoint,
+    CheckpointMetadata,
+    ConversationMessage,
+    validate_session_id,
+)
+from checkpointq.store.redis import RedisStore
+from checkpointq.store.serde import (
+    checkpoint_from_wire,
+    deserialize_checkpoint,
+    serialize_checkpoint,
+)
 
 __all__ = [
     "DEFAULT_PREFIX",

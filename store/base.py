@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from store.codec import DEFAULT_MAX_DECOMPRESSED, ValueCodec
-from store.errors import CheckpointTooLarge, InvalidInput
-from store.model import Checkpoint, validate_session_id
-from store.serde import serialize_checkpoint
+from checkpointq.store.codec import DEFAULT_MAX_DECOMPRESSED, ValueCodec
+from checkpointq.store.errors import CheckpointTooLarge, InvalidInput
+from checkpointq.store.model import Checkpoint, validate_session_id
+from checkpointq.store.serde import serialize_checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-from store.base import CheckpointStore, Clock, Fence, Page, SaveResult, StoreOptions
-from store.codec import CodecError
-from store.errors import CorruptCheckpoint, InvalidCheckpoint
-from store.model import Checkpoint
-from store.serde import deserialize_checkpoint
+from checkpointq.store.base import CheckpointStore, Clock, Fence, Page, SaveResult, StoreOptions
+from checkpointq.store.codec import CodecError
+from checkpointq.store.errors import CorruptCheckpoint, InvalidCheckpoint
+from checkpointq.store.model import Checkpoint
+from checkpointq.store.serde import deserialize_checkpoint
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from store.errors import InvalidSessionId
+from checkpointq.store.errors import InvalidSessionId
 
 #: Longest accepted session id, in characters. Long enough for UUIDs, ULIDs and composite
 #: ids ("tenant/user/uuid"); short enough that keys stay cheap to hash and to log.

@@ -5,9 +5,9 @@ so a crash can never leave a value without its TTL or an index entry without its
 Listing and expiry read a sorted set of deadlines, so their cost follows what they return,
 not the size of the keyspace.
 
-On Redis Cluster (see ``store.cluster`` for the URLs) the same scripts run unchanged: the
+On Redis Cluster (see ``store/cluster.py`` for the URLs) the same scripts run unchanged: the
 ``ClusterKeySpace`` puts each session's keys and its shard of the deadline index in one slot,
-and listing and sweeping walk the shards in turn (see ``store.keys``).
+and listing and sweeping walk the shards in turn (see ``checkpointq.store.keys``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import redis
 from redis import exceptions as redis_errors
 from redis.cluster import RedisCluster
 
-from store.base import (
+from checkpointq.store.base import (
     BatchOp,
     BatchResult,
     CheckpointStore,
@@ -34,14 +34,19 @@ from store.base import (
     SaveResult,
     StoreOptions,
 )
-from store.cluster import cluster_client_from_url, is_cluster_url
-from store.codec import CodecError
-from store.errors import CorruptCheckpoint, InvalidCheckpoint, InvalidInput, StoreUnavailable
-from store.keys import DEFAULT_PREFIX, DEFAULT_SHARDS, ClusterKeySpace, KeySpace
-from store.model import Checkpoint
-from store.scripts import Scripts, queue
-from store.serde import deserialize_checkpoint
-from store.urls import redact_url
+from checkpointq.store.cluster import cluster_client_from_url, is_cluster_url
+from checkpointq.store.codec import CodecError
+from checkpointq.store.errors import (
+    CorruptCheckpoint,
+    InvalidCheckpoint,
+    InvalidInput,
+    StoreUnavailable,
+)
+from checkpointq.store.keys import DEFAULT_PREFIX, DEFAULT_SHARDS, ClusterKeySpace, KeySpace
+from checkpointq.store.model import Checkpoint
+from checkpointq.store.scripts import Scripts, queue
+from checkpointq.store.serde import deserialize_checkpoint
+from checkpointq.store.urls import redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +143,7 @@ class RedisStore(CheckpointStore):
     ) -> RedisStore:
         """Connect lazily to ``redis://``, ``rediss://`` (TLS) or ``unix://`` URLs, or to a
         Redis Cluster given as ``redis+cluster://host:port[,host:port...]`` or with
-        ``?cluster=true`` (see ``store.cluster``; ``shards`` applies to clusters only).
+        ``?cluster=true`` (see ``checkpointq.store.cluster``; ``shards`` applies to clusters only).
 
         Credentials in the URL are used but never shown: ``repr`` and errors carry a
         redacted form.

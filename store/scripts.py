@@ -19,7 +19,11 @@ from redis.commands.core import Script
 @cache
 def script_source(name: str) -> str:
     """The text of ``store/lua/<name>.lua``, read from package data once per process."""
-    return resources.files("store").joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
+    return (
+        resources.files("checkpointq.store")
+        .joinpath("lua", f"{name}.lua")
+        .read_text(encoding="utf-8")
+    )
 
 
 def queue(script: Script, pipe: Any, keys: list[str], args: list[Any]) -> None:

@@ -15,8 +15,13 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from store.errors import InvalidCheckpoint
-from store.model import Checkpoint, CheckpointMetadata, ConversationMessage, format_rfc3339
+from checkpointq.store.errors import InvalidCheckpoint
+from checkpointq.store.model import (
+    Checkpoint,
+    CheckpointMetadata,
+    ConversationMessage,
+    format_rfc3339,
+)
 
 # Go escapes these inside strings (HTML safety and JavaScript line terminators). None of
 # them can occur in JSON outside a string, so replacing them in the encoded bytes is exact.

@@ -1,7 +1,8 @@
 """``checkpoint.apply_batch(items)``: many saves and deletes in one message, one round trip.
 
-Opt-in for producers that coalesce requests (``tasks.batching.BatchingClient``). ``items`` is
-an ordered list; each item is what a single request would carry::
+Opt-in for producers that coalesce requests (``BatchingClient``, in
+``checkpointq.tasks.producer.batching``). ``items`` is an ordered list; each item is what a
+single request would carry::
 
     {"op": "save", "checkpoint": {...}, "seq": 1733130000000000}
     {"op": "delete", "session_id": "sess-42", "seq": 1733130000000001}
@@ -20,13 +21,13 @@ from typing import Any
 
 from celery import Task
 
-from store.base import BatchOp, BatchResult, DeleteOp, SaveOp, SaveResult
-from store.errors import InvalidInput
-from store.model import validate_session_id
-from store.serde import checkpoint_from_wire, dumps_go
-from tasks import observers, runtime
-from tasks.dead_letters import Reason
-from tasks.seq import accepted_seq
+from checkpointq.store.base import BatchOp, BatchResult, DeleteOp, SaveOp, SaveResult
+from checkpointq.store.errors import InvalidInput
+from checkpointq.store.model import validate_session_id
+from checkpointq.store.serde import checkpoint_from_wire, dumps_go
+from checkpointq.tasks import observers, runtime
+from checkpointq.tasks.dead_letters import Reason
+from checkpointq.tasks.seq import accepted_seq
 
 APPLY_BATCH = "checkpoint.apply_batch"
 SAVE = "checkpoint.save"

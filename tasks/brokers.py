@@ -14,7 +14,7 @@ Both sides publish or consume through kombu, and each broker kind needs its own 
   return only once the broker has taken responsibility for the message.
 
 Only the Redis-based kinds can hold the store: a store URL must be given explicitly for
-any other broker (``worker.settings`` enforces it).
+any other broker (``checkpointq.worker.settings`` enforces it).
 """
 
 from __future__ import annotations

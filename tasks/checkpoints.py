@@ -25,13 +25,13 @@ from typing import Any
 
 from celery import Celery, Task
 
-from store.errors import InvalidInput, StoreUnavailable
-from store.model import validate_session_id
-from store.serde import checkpoint_from_wire
-from tasks import batch, observers, runtime
-from tasks.dead_letters import Reason
-from tasks.seq import accepted_seq
-from tasks.sweep import sweep
+from checkpointq.store.errors import InvalidInput, StoreUnavailable
+from checkpointq.store.model import validate_session_id
+from checkpointq.store.serde import checkpoint_from_wire
+from checkpointq.tasks import batch, observers, runtime
+from checkpointq.tasks.dead_letters import Reason
+from checkpointq.tasks.seq import accepted_seq
+from checkpointq.tasks.sweep import sweep
 
 logger = logging.getLogger(__name__)
 

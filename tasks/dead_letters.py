@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from store.keys import KeySpace
-from tasks.errors import NotFound, NotReplayable, redis_unavailable
+from checkpointq.store.keys import KeySpace
+from checkpointq.tasks.errors import NotFound, NotReplayable, redis_unavailable
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 from redis import exceptions as redis_errors
 
-from store.errors import CheckpointError, StoreUnavailable
+from checkpointq.store.errors import CheckpointError, StoreUnavailable
 
 
 class BrokerUnavailable(CheckpointError):

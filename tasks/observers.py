@@ -1,7 +1,7 @@
 """What the worker did with each request, told to whoever listens (metrics, heartbeats).
 
 The tasks and the consumer call ``notify()`` once per request they finish with; the worker
-subscribes its metrics (``worker/metrics.py``) at start-up. This keeps ``tasks/`` free of
+subscribes its metrics (``worker/ops/metrics.py``) at start-up. This keeps ``tasks/`` free of
 Prometheus and of ``worker`` imports: with nobody subscribed (unit tests, the CLI),
 ``notify`` costs a loop over an empty tuple.
 
@@ -54,7 +54,7 @@ class Observation:
     trimmed: int = 0
     #: For sweeps: sessions expired.
     expired: int = 0
-    #: For dead letters: the reason kind (``tasks.dead_letters.Reason`` value).
+    #: For dead letters: the reason kind (``checkpointq.tasks.dead_letters.Reason`` value).
     kind: str | None = None
 
 

@@ -12,10 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from store.base import CheckpointStore
-from store.keys import KeySpace
-from tasks.dead_letters import DeadLetters
-from tasks.policy import RetryPolicy
+from checkpointq.store.base import CheckpointStore
+from checkpointq.store.keys import KeySpace
+from checkpointq.tasks.dead_letters import DeadLetters
+from checkpointq.tasks.policy import RetryPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +79,8 @@ def current() -> Runtime:
         if _current is None:
             if _factory is None:
                 raise RuntimeError(
-                    "tasks.runtime is not configured: create the worker app with "
-                    "worker.app.create_app() or call tasks.runtime.install()"
+                    "checkpointq.tasks.runtime is not configured: create the worker app with "
+                    "checkpointq.worker.app.create_app() or call tasks.runtime.install()"
                 )
             _current = _factory()
         return _current

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import time
 
-from store.base import validate_seq
-from store.errors import InvalidInput
-from tasks import runtime
+from checkpointq.store.base import validate_seq
+from checkpointq.store.errors import InvalidInput
+from checkpointq.tasks import runtime
 
 
 def accepted_seq(value: object) -> int | None:

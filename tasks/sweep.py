@@ -16,9 +16,9 @@ from typing import Any
 from redis.exceptions import LockNotOwnedError
 from redis.lock import Lock
 
-from store.base import CheckpointStore
-from store.keys import KeySpace
-from tasks.errors import redis_unavailable
+from checkpointq.store.base import CheckpointStore
+from checkpointq.store.keys import KeySpace
+from checkpointq.tasks.errors import redis_unavailable
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The Celery app: every Celery setting checkpointq relies on, chosen and explained here.
 
-``celery -A worker.app worker`` finds the module-level ``app``, built on first access from
-the ``CHECKPOINTQ_*`` environment. Programs that hold their own ``Settings`` (the CLI, tests,
+``celery -A checkpointq.worker.app worker`` finds the module-level ``app``, built on first access
+from the ``CHECKPOINTQ_*`` environment. Programs that hold their own ``Settings`` (the CLI, tests,
 benchmarks) call ``create_app(settings)`` instead.
 """
 
@@ -12,18 +12,19 @@ from typing import Any
 
 from celery import Celery
 
-from store.errors import CheckpointError
-from store.redis import RedisStore
-from store.urls import redact_url
-from tasks import checkpoints, runtime
-from tasks.brokers import transport_options
-from tasks.client import PUBLISH_RETRY_POLICY
-from tasks.dead_letters import DeadLetters
-from tasks.policy import RetryPolicy
-from tasks.runtime import Runtime
-from worker import beat, health, logs, metrics
-from worker import signals as _signals  # noqa: F401  # importing it connects the hooks
-from worker.settings import Settings
+from checkpointq.store.errors import CheckpointError
+from checkpointq.store.redis import RedisStore
+from checkpointq.store.urls import redact_url
+from checkpointq.tasks import checkpoints, runtime
+from checkpointq.tasks.brokers import transport_options
+from checkpointq.tasks.dead_letters import DeadLetters
+from checkpointq.tasks.policy import RetryPolicy
+from checkpointq.tasks.producer.client import PUBLISH_RETRY_POLICY
+from checkpointq.tasks.runtime import Runtime
+from checkpointq.worker import beat, logs
+from checkpointq.worker import signals as _signals  # noqa: F401  # importing it connects the hooks
+from checkpointq.worker.ops import health, metrics
+from checkpointq.worker.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_default_queue": settings.queue,
         "task_create_missing_queues": True,
         # Refused messages become dead letters instead of vanishing.
-        "worker_consumer": "worker.consumer:DeadLetteringConsumer",
+        "worker_consumer": "checkpointq.worker.consumer:DeadLetteringConsumer",
         "worker_pool": settings.pool,
         "worker_concurrency": settings.concurrency,
         # The store's connections are made per process (signals.py); Celery's own logging
@@ -144,8 +145,8 @@ def build_runtime(settings: Settings) -> Runtime:
 def create_app(settings: Settings | None = None) -> Celery:
     """A Celery app configured from ``settings`` (default: the environment), tasks registered.
 
-    Also points ``tasks.runtime`` at these settings; each worker process then builds its own
-    store connections on first use (``signals.py`` resets them after every fork).
+    Also points ``checkpointq.tasks.runtime`` at these settings; each worker process then builds its
+    own store connections on first use (``signals.py`` resets them after every fork).
 
     Raises:
         MissingBrokerUrl: ``settings.broker_url`` is unset.
@@ -156,7 +157,7 @@ def create_app(settings: Settings | None = None) -> Celery:
     app.conf.update(beat.beat_config(settings))
     checkpoints.register(app)
     runtime.configure(lambda: build_runtime(settings))
-    # Operations (worker/metrics.py, worker/health.py, worker/logs.py): the /metrics
+    # Operations (worker/ops/metrics.py, worker/ops/health.py, worker/logs.py): the /metrics
     # endpoint, heartbeats for `checkpointq health` and `top`, the log format.
     metrics.install(app, settings)
     health.install(app, settings)
@@ -166,7 +167,7 @@ def create_app(settings: Settings | None = None) -> Celery:
 
 
 def __getattr__(name: str) -> Any:
-    # `celery -A worker.app` reads `worker.app.app`; building it on first access (PEP 562)
+    # `celery -A checkpointq.worker.app` reads its `app`; building it on first access (PEP 562)
     # lets the CLI import create_app without needing a broker URL in the environment.
     if name == "app":
         globals()["app"] = created = create_app()

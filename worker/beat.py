@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from store.keys import KeySpace
-from tasks.checkpoints import EXPIRE_STALE
-from worker.settings import Settings
+from checkpointq.store.keys import KeySpace
+from checkpointq.tasks.checkpoints import EXPIRE_STALE
+from checkpointq.worker.settings import Settings
 
 #: Name of the sweep's schedule entry.
 SWEEP_ENTRY = "checkpointq-expire-stale"

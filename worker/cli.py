@@ -24,16 +24,16 @@ import redis
 from kombu.exceptions import KombuError
 from redis.exceptions import RedisClusterException
 
-from store.errors import CheckpointError
-from store.model import Checkpoint
-from store.serde import checkpoint_from_wire, checkpoint_to_wire, loads_json
-from store.urls import redact_url
-from tasks.client import CheckpointClient, Handle
-from tasks.dead_letters import DeadLetters
-from tasks.errors import NotFound, NotReplayable
-from tasks.sweep import sweep as run_sweep
-from worker import connections
-from worker.settings import Settings
+from checkpointq.store.errors import CheckpointError
+from checkpointq.store.model import Checkpoint
+from checkpointq.store.serde import checkpoint_from_wire, checkpoint_to_wire, loads_json
+from checkpointq.store.urls import redact_url
+from checkpointq.tasks.dead_letters import DeadLetters
+from checkpointq.tasks.errors import NotFound, NotReplayable
+from checkpointq.tasks.producer.client import CheckpointClient, Handle
+from checkpointq.tasks.sweep import sweep as run_sweep
+from checkpointq.worker import connections
+from checkpointq.worker.settings import Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -150,7 +150,7 @@ def cli() -> None:
 @cli.command()
 def up() -> None:
     """Worker and beat together (and an embedded Redis when no broker URL is set)."""
-    from worker.supervisor import Supervisor  # the embedded Redis etc. only when run
+    from checkpointq.worker.supervisor import Supervisor  # the embedded Redis etc. only when run
 
     settings = _settings(resolve=False)
     _configure_logging(settings)
@@ -167,7 +167,9 @@ def up() -> None:
 @cli.command()
 def worker() -> None:
     """A Celery worker consuming the checkpoints queue."""
-    from worker.app import create_app  # Celery is imported only by the commands that run it
+    from checkpointq.worker.app import (
+        create_app,  # Celery is imported only by the commands that run it
+    )
 
     settings = _settings()
     app = create_app(settings)
@@ -188,7 +190,9 @@ def worker() -> None:
 @cli.command()
 def beat() -> None:
     """Celery beat: schedules the sweep of expired sessions."""
-    from worker.app import create_app  # Celery is imported only by the commands that run it
+    from checkpointq.worker.app import (
+        create_app,  # Celery is imported only by the commands that run it
+    )
 
     settings = _settings()
     app = create_app(settings)
@@ -330,7 +334,9 @@ def list_sessions(
 @json_option
 def stats(as_json: bool) -> None:
     """Queue depth, sessions, dead letters, workers and their totals (what `top` shows)."""
-    from worker import top as top_view  # rich is imported only by the commands that use it
+    from checkpointq.worker.ops import (
+        top as top_view,  # rich is imported only by the commands that use it
+    )
 
     snapshot = top_view.collect(_settings())
     _emit(as_json, snapshot.as_json(), top_view.stats_lines(snapshot))
@@ -348,7 +354,9 @@ def stats(as_json: bool) -> None:
 @click.option("--once", is_flag=True, help="Draw one screen and exit.")
 def top(interval: float, once: bool) -> None:
     """A live view: throughput by outcome, queue depth, lag, dead letters, next sweep."""
-    from worker import top as top_view  # rich is imported only by the commands that use it
+    from checkpointq.worker.ops import (
+        top as top_view,  # rich is imported only by the commands that use it
+    )
 
     top_view.run(_settings(), interval=interval, once=once)
 
@@ -362,7 +370,7 @@ def health(local: bool, beat: bool, as_json: bool) -> None:
 
     Workers are seen through their heartbeats in the store Redis, not remote control.
     """
-    from worker import health as checks
+    from checkpointq.worker.ops import health as checks
 
     report = checks.check(_settings(), local=local, beat=beat)
     if as_json:
@@ -552,5 +560,5 @@ def main() -> None:
         sys.exit(0)
 
 
-if __name__ == "__main__":  # `python -m worker.cli`, how `up` starts its children
+if __name__ == "__main__":  # `python -m checkpointq.worker.cli`, how `up` starts its children
     main()

@@ -11,12 +11,12 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from store.cluster import cluster_client_from_url, is_cluster_url
-from store.errors import CheckpointError
-from store.keys import ClusterKeySpace, KeySpace
-from store.redis import RedisStore
-from worker.embedded import EmbeddedRedis
-from worker.settings import Settings
+from checkpointq.store.cluster import cluster_client_from_url, is_cluster_url
+from checkpointq.store.errors import CheckpointError
+from checkpointq.store.keys import ClusterKeySpace, KeySpace
+from checkpointq.store.redis import RedisStore
+from checkpointq.worker.embedded import EmbeddedRedis
+from checkpointq.worker.settings import Settings
 
 #: Seconds a CLI command waits for Redis to connect or answer before reporting it down.
 CLI_SOCKET_TIMEOUT = 5.0

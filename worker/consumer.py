@@ -23,10 +23,10 @@ from typing import Any
 from celery import signals
 from celery.worker.consumer import Consumer
 
-from store.errors import StoreUnavailable
-from tasks import observers, runtime
-from tasks.dead_letters import Reason
-from worker import transport
+from checkpointq.store.errors import StoreUnavailable
+from checkpointq.tasks import observers, runtime
+from checkpointq.tasks.dead_letters import Reason
+from checkpointq.worker import transport
 
 logger = logging.getLogger(__name__)
 

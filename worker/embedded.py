@@ -45,8 +45,8 @@ from typing import IO
 
 import redis
 
-from store.errors import CheckpointError
-from worker.processes import spawn, stop
+from checkpointq.store.errors import CheckpointError
+from checkpointq.worker.processes import spawn, stop
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Any, Literal
 from celery import signals
 from celery._state import get_current_task
 
-from store.urls import redact_url
+from checkpointq.store.urls import redact_url
 
 #: Attributes callers may attach with ``extra=`` that the JSON format shows as fields.
 STRUCTURED_FIELDS = (

@@ -12,11 +12,11 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from store.base import StoreOptions
-from store.cluster import is_cluster_url
-from store.keys import DEFAULT_PREFIX, DEFAULT_SHARDS
-from store.urls import redact_url
-from tasks.brokers import (
+from checkpointq.store.base import StoreOptions
+from checkpointq.store.cluster import is_cluster_url
+from checkpointq.store.keys import DEFAULT_PREFIX, DEFAULT_SHARDS
+from checkpointq.store.urls import redact_url
+from checkpointq.tasks.brokers import (
     SUPPORTED_SCHEMES,
     BrokerKind,
     broker_kind,

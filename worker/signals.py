@@ -7,7 +7,7 @@ from typing import Any
 
 from celery import signals
 
-from tasks import runtime
+from checkpointq.tasks import runtime
 
 # Celery logs a line per received and per finished task at INFO; at INFO our worker logs
 # per-minute summaries instead (tasks.checkpoints.OutcomeLog), and per-request lines at DEBUG.

@@ -17,11 +17,11 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from types import FrameType
 
-from store.errors import CheckpointError
-from worker.connections import with_embedded
-from worker.embedded import EmbeddedRedis
-from worker.processes import await_exit, spawn
-from worker.settings import Settings
+from checkpointq.store.errors import CheckpointError
+from checkpointq.worker.connections import with_embedded
+from checkpointq.worker.embedded import EmbeddedRedis
+from checkpointq.worker.processes import await_exit, spawn
+from checkpointq.worker.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,10 @@ class Supervisor:
             env["CHECKPOINTQ_STORE_URL"] = settings.store_url
         children: dict[str, subprocess.Popen[bytes]] = {}
         for role in ROLES:
-            children[role] = spawn([sys.executable, "-m", "worker.cli", role], env=env)
+            # -P: the current directory is not put on the path, so a user's own `tasks.py` or
+            # `checkpointq.py` beside them can never shadow our modules in the children.
+            command = [sys.executable, "-P", "-m", "checkpointq.worker.cli", role]
+            children[role] = spawn(command, env=env)
             logger.info("%s started (pid %d)", role, children[role].pid)
         return children
 

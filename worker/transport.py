@@ -26,9 +26,9 @@ from typing import Any
 from kombu.transport import redis as kombu_redis
 from kombu.utils.json import loads as kombu_loads
 
-from store.errors import StoreUnavailable
-from tasks import observers, runtime
-from tasks.dead_letters import Reason
+from checkpointq.store.errors import StoreUnavailable
+from checkpointq.tasks import observers, runtime
+from checkpointq.tasks.dead_letters import Reason
 
 logger = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ import pytest
 import redis
 from click.testing import CliRunner, Result
 
-from store import RedisStore
+from checkpointq.store import RedisStore
+from checkpointq.worker.cli import cli
 from tests.support.servers import RedisServer
-from worker.cli import cli
 
 #: Seconds a CLI subprocess may run before the test fails.
 COMMAND_TIMEOUT = 60
@@ -40,9 +40,9 @@ class Cli:
         return {**base, **self.env}
 
     def run(self, *args: str, input: bytes | None = None) -> subprocess.CompletedProcess[str]:
-        """``python -m worker.cli ARGS`` as a separate process (what a user's shell runs)."""
+        """``python -m checkpointq.worker.cli ARGS`` in a process of its own, as a shell runs it."""
         return subprocess.run(
-            [sys.executable, "-m", "worker.cli", *args],
+            [sys.executable, "-m", "checkpointq.worker.cli", *args],
             cwd=self.cwd,
             env=self.process_env(),
             input=input.decode() if input is not None else None,

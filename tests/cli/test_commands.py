@@ -10,9 +10,9 @@ import time
 import pytest
 import redis
 
-from store import RedisStore
-from store.keys import KeySpace
-from tasks.dead_letters import DeadLetters, Reason
+from checkpointq.store import RedisStore
+from checkpointq.store.keys import KeySpace
+from checkpointq.tasks.dead_letters import DeadLetters, Reason
 from tests.cli.conftest import Cli
 from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import RedisServer
@@ -175,7 +175,7 @@ def test_ls_into_a_reader_that_stops_early_exits_quietly(cli_env: Cli, store: Re
 
     # When `checkpointq ls` is read like `| head -1`: one line, then the pipe is closed
     process = subprocess.Popen(
-        [sys.executable, "-m", "worker.cli", "ls", "--page-size", "3000"],
+        [sys.executable, "-m", "checkpointq.worker.cli", "ls", "--page-size", "3000"],
         cwd=cli_env.cwd,
         env=cli_env.process_env(),
         stdout=subprocess.PIPE,

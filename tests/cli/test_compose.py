@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
-from worker.cli import cli
-from worker.settings import Settings
-from worker.supervisor import CHILD_GRACE_SECONDS
+from checkpointq.worker.cli import cli
+from checkpointq.worker.settings import Settings
+from checkpointq.worker.supervisor import CHILD_GRACE_SECONDS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -120,7 +120,7 @@ def test_the_console_script_the_image_runs_is_declared(
     dockerfile: list[tuple[str, str]],
 ) -> None:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert pyproject["project"]["scripts"]["checkpointq"] == "worker.cli:main"
+    assert pyproject["project"]["scripts"]["checkpointq"] == "checkpointq.worker.cli:main"
 
 
 def test_the_build_context_keeps_local_state_out(dockerfile: list[tuple[str, str]]) -> None:

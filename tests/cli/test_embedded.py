@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from checkpointq.worker.embedded import EmbeddedRedis, EmbeddedRedisError, pid_of
 from tests.support.servers import wait_until
-from worker.embedded import EmbeddedRedis, EmbeddedRedisError, pid_of
 
 
 def alive(pid: int) -> bool:
@@ -106,7 +106,7 @@ def test_killing_the_owner_takes_its_redis_down(embedded: EmbeddedRedis) -> None
         [
             sys.executable, "-c",
             "import signal, sys; from pathlib import Path; "
-            "from worker.embedded import EmbeddedRedis; "
+            "from checkpointq.worker.embedded import EmbeddedRedis; "
             f"e = EmbeddedRedis(Path({str(embedded.data_dir)!r})); e.start(); "
             "print(e.pid, flush=True); signal.pause()",
         ],

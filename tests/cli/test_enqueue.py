@@ -8,8 +8,8 @@ from typing import Any
 
 import redis
 
-from store.keys import KeySpace
-from tasks.dead_letters import DeadLetters, Reason
+from checkpointq.store.keys import KeySpace
+from checkpointq.tasks.dead_letters import DeadLetters, Reason
 from tests.cli.conftest import Cli
 
 

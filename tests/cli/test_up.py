@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from store import RedisStore
+from checkpointq.store import RedisStore
+from checkpointq.worker.embedded import pid_of
 from tests.cli.conftest import Cli
 from tests.cli.test_embedded import alive
 from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import RedisServer, wait_until
-from worker.embedded import pid_of
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +35,7 @@ DEADLINE = 90
 def _checkpointq() -> list[str]:
     """The installed console script (what a user runs), beside this interpreter."""
     script = Path(sys.executable).parent / "checkpointq"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "worker.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "checkpointq.worker.cli"]
 
 
 def _children(pid: int) -> list[int]:

@@ -9,8 +9,8 @@ request (the winner never applied) from a *regression* (an older save overwrote 
 
 Requests are pushed as raw Celery envelopes with ``LPUSH`` (what a producer in any language
 does), so the suite can duplicate, shuffle and corrupt them at will. Workers run with
-``-l DEBUG``: every request logs its outcome (``tasks.checkpoints.OutcomeLog``), which is how
-duplicate applications are counted.
+``-l DEBUG``: every request logs its outcome (``OutcomeLog`` in ``tasks/checkpoints.py``), which
+is how duplicate applications are counted.
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ from typing import Any
 
 import redis
 
-from store.base import CheckpointStore
-from store.keys import KeySpace
-from store.redis import RedisStore
-from store.serde import checkpoint_to_wire
-from tasks.dead_letters import DeadLetters
+from checkpointq.store.base import CheckpointStore
+from checkpointq.store.keys import KeySpace
+from checkpointq.store.redis import RedisStore
+from checkpointq.store.serde import checkpoint_to_wire
+from checkpointq.tasks.dead_letters import DeadLetters
 from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import RedisServer, wait_until
 
@@ -382,7 +382,16 @@ class Celery:
         return self.process is not None and self.process.poll() is None
 
     def start(self, timeout: float = 60.0) -> Celery:
-        args = [sys.executable, "-m", "celery", "-A", "worker.app", self.role, "-l", "DEBUG"]
+        args = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "checkpointq.worker.app",
+            self.role,
+            "-l",
+            "DEBUG",
+        ]
         if self.role == "worker":
             args += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
             args += ["-n", f"fault-{self.name}@%h"]

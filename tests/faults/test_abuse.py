@@ -22,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from checkpointq.worker import transport
 from tests.faults.harness import (
     DELETE,
     SAVE,
@@ -33,7 +34,6 @@ from tests.faults.harness import (
     seq_base,
 )
 from tests.support.servers import RedisServer, wait_until
-from worker import transport
 
 REFRESH = "checkpoint.refresh"
 #: sha256 of kombu 5.7.0's ``Channel._brpop_read`` source, which worker/transport.py mirrors.

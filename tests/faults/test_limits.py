@@ -40,7 +40,7 @@ def test_passwords_never_appear_in_worker_logs_cli_output_or_errors(tmp_path: Pa
             env = checkpointq_env(broker_url=url, store_url=url)
             for args in (["stats"], ["ls"], ["show", "secret-test"], ["dlq", "ls"]):
                 done = subprocess.run(
-                    [sys.executable, "-m", "worker.cli", *args],
+                    [sys.executable, "-m", "checkpointq.worker.cli", *args],
                     cwd=tmp_path,
                     env=env,
                     capture_output=True,
@@ -53,7 +53,7 @@ def test_passwords_never_appear_in_worker_logs_cli_output_or_errors(tmp_path: Pa
         wrong = dep.env()
         wrong["CHECKPOINTQ_STORE_URL"] = f"redis://:{SECRET}x@127.0.0.1:{store.port}/0"
         bad = subprocess.run(
-            [sys.executable, "-m", "worker.cli", "sweep"],
+            [sys.executable, "-m", "checkpointq.worker.cli", "sweep"],
             cwd=tmp_path,
             env=wrong,
             capture_output=True,

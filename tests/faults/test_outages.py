@@ -6,9 +6,10 @@ import random
 import threading
 from dataclasses import dataclass, field
 
-from store.urls import redact_url
-from tasks.client import CheckpointClient
-from tasks.errors import BrokerUnavailable
+from checkpointq.store.urls import redact_url
+from checkpointq.tasks.errors import BrokerUnavailable
+from checkpointq.tasks.producer.client import CheckpointClient
+from checkpointq.worker.settings import Settings
 from tests.faults.harness import (
     DELETE,
     SAVE,
@@ -24,7 +25,6 @@ from tests.faults.harness import (
     winners,
 )
 from tests.support.servers import RedisServer, wait_until
-from worker.settings import Settings
 
 
 def _wait_progress(deployment: Deployment, total: int, fraction: float) -> None:

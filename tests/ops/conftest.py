@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import pytest
 import redis
 
-from tasks.client import CheckpointClient
+from checkpointq.tasks.producer.client import CheckpointClient
+from checkpointq.worker.settings import Settings
 from tests.support.metrics import Samples, scrape, value
 from tests.support.servers import RedisServer, free_port
 from tests.support.workers import QUEUE, TEST_WORKER_SETTINGS, wait_redis_queue_drained
 from tests.worker.celery_processes import REPO, CeleryProcess, checkpointq_env
-from worker.settings import Settings
 
 #: Re-exported for the tests here, which import them from this module.
 __all__ = ["QUEUE", "Samples", "System", "scrape", "value"]
@@ -74,7 +74,7 @@ class System:
     def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         """``checkpointq <args>`` in a subprocess with this system's settings."""
         return subprocess.run(
-            [sys.executable, "-m", "worker.cli", *args],
+            [sys.executable, "-m", "checkpointq.worker.cli", *args],
             cwd=REPO,
             env=self.env(),
             capture_output=True,

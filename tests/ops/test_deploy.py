@@ -12,9 +12,9 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from worker.cli import cli
-from worker.metrics import RedisGauges, WorkerMetrics
-from worker.settings import Settings
+from checkpointq.worker.cli import cli
+from checkpointq.worker.ops.metrics import RedisGauges, WorkerMetrics
+from checkpointq.worker.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 _SUFFIXES = ("_bucket", "_sum", "_count", "_created")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from store.redis import RedisStore
-from store.serde import checkpoint_to_wire
+from checkpointq.store.redis import RedisStore
+from checkpointq.store.serde import checkpoint_to_wire
 from tests.ops.conftest import QUEUE, System, scrape, value
 from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import wait_until

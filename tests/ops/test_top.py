@@ -76,7 +76,7 @@ class Terminal:
 @contextmanager
 def top(system: System) -> Iterator[Terminal]:
     terminal = Terminal(
-        [sys.executable, "-m", "worker.cli", "top", "--interval", "0.2"], system.env()
+        [sys.executable, "-m", "checkpointq.worker.cli", "top", "--interval", "0.2"], system.env()
     )
     try:
         yield terminal

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import redis
 
-from store import InMemoryStore
-from tasks.batch import APPLY_BATCH
-from tasks.batching import BatchingClient
-from tasks.client import DELETE, SAVE, CheckpointClient
-from tasks.errors import BrokerUnavailable
+from checkpointq.store import InMemoryStore
+from checkpointq.tasks.batch import APPLY_BATCH
+from checkpointq.tasks.errors import BrokerUnavailable
+from checkpointq.tasks.producer.batching import BatchingClient
+from checkpointq.tasks.producer.client import DELETE, SAVE, CheckpointClient
 from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import RedisServer, free_port, wait_until
 

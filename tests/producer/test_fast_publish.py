@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import redis
 
-from store import InMemoryStore
-from store.serde import checkpoint_to_wire
-from tasks import fast_publish
-from tasks.client import SAVE, CheckpointClient
-from tasks.errors import BrokerUnavailable
+from checkpointq.store import InMemoryStore
+from checkpointq.store.serde import checkpoint_to_wire
+from checkpointq.tasks.errors import BrokerUnavailable
+from checkpointq.tasks.producer import fast_publish
+from checkpointq.tasks.producer.client import SAVE, CheckpointClient
 from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import RedisServer, free_port
 

@@ -18,12 +18,12 @@ from typing import Any, Protocol
 import pytest
 import redis
 
-from tasks.client import CheckpointClient
+from checkpointq.tasks.producer.client import CheckpointClient
+from checkpointq.worker.settings import Settings
 from tests.support.sentinel import SentinelGroup
 from tests.support.servers import RedisServer, wait_until
 from tests.support.workers import QUEUE, TEST_WORKER_SETTINGS
 from tests.worker.celery_processes import CeleryProcess, checkpointq_env
-from worker.settings import Settings
 
 #: Worker settings shared by the scale tests: the shortest visibility timeout the settings
 #: allow (a message held by a dead broker connection comes back soon).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from store.base import CheckpointStore
+from checkpointq.store.base import CheckpointStore
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,5 @@
 """``checkpointq health``, ``stats``/``top`` and the metrics gauges with a RabbitMQ and with a
-Sentinel broker (``worker/broker_probe.py``).
+Sentinel broker (``worker/ops/broker_probe.py``).
 
 Each test runs once per broker: the module's own RabbitMQ vhost or Sentinel group, the
 module's store Redis, real workers and the real CLI in subprocesses. Every test uses a
@@ -18,14 +18,14 @@ from dataclasses import dataclass
 import pytest
 import redis
 
-from tasks.client import CheckpointClient
+from checkpointq.tasks.producer.client import CheckpointClient
+from checkpointq.worker.settings import Settings
 from tests.scale.conftest import WORKER_SETTINGS, RabbitVhost
 from tests.support.checkpoints import make_checkpoint
 from tests.support.metrics import scrape, value
 from tests.support.sentinel import MASTER_NAME, SentinelGroup
 from tests.support.servers import RedisServer, free_port, wait_until
 from tests.worker.celery_processes import REPO, CeleryProcess, checkpointq_env
-from worker.settings import Settings
 
 pytestmark = pytest.mark.integration
 
@@ -103,7 +103,7 @@ def start_worker(workers: list[CeleryProcess], values: dict[str, object], *args:
 def cli(values: dict[str, object], *args: str) -> subprocess.CompletedProcess[str]:
     """``checkpointq <args>`` in a subprocess with these settings."""
     return subprocess.run(
-        [sys.executable, "-m", "worker.cli", *args],
+        [sys.executable, "-m", "checkpointq.worker.cli", *args],
         cwd=REPO,
         env=checkpointq_env(**values),
         capture_output=True,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from tasks.brokers import BrokerKind, broker_kind, transport_options
-from worker.app import celery_config
-from worker.settings import Settings
+from checkpointq.tasks.brokers import BrokerKind, broker_kind, transport_options
+from checkpointq.worker.app import celery_config
+from checkpointq.worker.settings import Settings
 
 AMQP = "amqp://guest:guest@127.0.0.1:5672/cq"
 SENTINELS = "sentinel://:pw@10.0.0.1:26379;sentinel://:pw@10.0.0.2:26379"

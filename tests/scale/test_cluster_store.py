@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from store.base import StoreOptions
-from store.keys import ClusterKeySpace
-from store.redis import RedisStore
-from tasks.client import CheckpointClient
+from checkpointq.store.base import StoreOptions
+from checkpointq.store.keys import ClusterKeySpace
+from checkpointq.store.redis import RedisStore
+from checkpointq.tasks.producer.client import CheckpointClient
 from tests.scale.conftest import Fleet, RedisQueueProbe, wait_drained
 from tests.support.checkpoints import make_checkpoint
 from tests.support.cluster import LocalCluster
@@ -97,7 +97,7 @@ def test_health_and_stats_read_heartbeats_and_counts_from_the_cluster(
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "worker.cli", *args],
+            [sys.executable, "-m", "checkpointq.worker.cli", *args],
             env=fleet.env,
             cwd=REPO,
             capture_output=True,
@@ -130,7 +130,7 @@ def test_sweep_task_and_cli_expire_across_all_shards(
     # And `checkpointq sweep` does the same from the command line
     by_cli = stale_sessions(fleet, "cl-stale-cli", 40)
     done = subprocess.run(
-        [sys.executable, "-m", "worker.cli", "sweep", "--json"],
+        [sys.executable, "-m", "checkpointq.worker.cli", "sweep", "--json"],
         env=fleet.env,
         cwd=REPO,
         capture_output=True,

@@ -14,18 +14,18 @@ from typing import Any
 import pytest
 import redis
 
-from store.base import StoreOptions
-from store.keys import KeySpace
-from store.redis import RedisStore
-from store.serde import checkpoint_to_wire
-from tasks.client import DELETE, EXPIRE_STALE, SAVE
+from checkpointq.store.base import StoreOptions
+from checkpointq.store.keys import KeySpace
+from checkpointq.store.redis import RedisStore
+from checkpointq.store.serde import checkpoint_to_wire
+from checkpointq.tasks.producer.client import DELETE, EXPIRE_STALE, SAVE
+from checkpointq.worker.ops.health import live_workers
 from tests.scale.conftest import Fleet, RedisQueueProbe, wait_drained
 from tests.scale.load import all_applied, expected_state, mismatches, mixed_load
 from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import RedisServer, wait_until
 from tests.support.workers import QUEUE
 from tests.worker.envelopes import protocol2
-from worker.health import live_workers
 
 pytestmark = pytest.mark.integration
 

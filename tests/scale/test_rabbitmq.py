@@ -17,10 +17,10 @@ from kombu.connection import Connection
 from kombu.entity import Exchange
 from kombu.messaging import Producer
 
-from store.keys import KeySpace
-from store.serde import checkpoint_to_wire
-from tasks.client import DELETE, SAVE, CheckpointClient
-from tasks.dead_letters import DeadLetters, Reason
+from checkpointq.store.keys import KeySpace
+from checkpointq.store.serde import checkpoint_to_wire
+from checkpointq.tasks.dead_letters import DeadLetters, Reason
+from checkpointq.tasks.producer.client import DELETE, SAVE, CheckpointClient
 from tests.scale.conftest import Fleet, RabbitVhost, wait_drained
 from tests.scale.load import all_applied, expected_state, mismatches, mixed_load
 from tests.support.checkpoints import make_checkpoint

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import pytest
 import redis
 
-from tasks.client import CheckpointClient, Handle
-from tasks.errors import BrokerUnavailable
+from checkpointq.tasks.errors import BrokerUnavailable
+from checkpointq.tasks.producer.client import CheckpointClient, Handle
 from tests.scale.conftest import Fleet, RedisQueueProbe, wait_drained
 from tests.support.checkpoints import make_checkpoint
 from tests.support.sentinel import MASTER_NAME, SentinelGroup

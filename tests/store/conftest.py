@@ -19,7 +19,7 @@ import fakeredis
 import pytest
 import redis
 
-from store import CheckpointStore, InMemoryStore, RedisStore, StoreOptions
+from checkpointq.store import CheckpointStore, InMemoryStore, RedisStore, StoreOptions
 from tests.support.cluster import LocalCluster
 from tests.support.servers import RedisServer
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from store import (
+from checkpointq.store import (
     CheckpointStore,
     CheckpointTooLarge,
     ConversationMessage,
@@ -18,7 +18,7 @@ from store import (
     RedisStore,
     SaveResult,
 )
-from store.base import BatchOp, BatchResult, DeleteOp, SaveOp, StoreOptions
+from checkpointq.store.base import BatchOp, BatchResult, DeleteOp, SaveOp, StoreOptions
 from tests.store.conftest import StoreEnv
 from tests.support.checkpoints import make_checkpoint
 

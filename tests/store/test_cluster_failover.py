@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import pytest
 from redis.crc import key_slot
 
-from store import RedisStore, StoreUnavailable
+from checkpointq.store import RedisStore, StoreUnavailable
 from tests.support.checkpoints import make_checkpoint
 from tests.support.cluster import ClusterNodeInfo, LocalCluster
 from tests.support.servers import wait_until

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from redis.cluster import RedisCluster
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
-from store import InvalidInput, RedisStore, StoreUnavailable
-from store.cluster import is_cluster_url
-from store.keys import ClusterKeySpace, KeySpace, shard_tags
+from checkpointq.store import InvalidInput, RedisStore, StoreUnavailable
+from checkpointq.store.cluster import is_cluster_url
+from checkpointq.store.keys import ClusterKeySpace, KeySpace, shard_tags
 from tests.support.checkpoints import make_checkpoint
 from tests.support.cluster import LocalCluster
 from tests.support.servers import free_port

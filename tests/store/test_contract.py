@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from store import (
+from checkpointq.store import (
     CheckpointStore,
     CheckpointTooLarge,
     CorruptCheckpoint,
     InvalidInput,
     InvalidSessionId,
 )
-from store.base import MAX_SEQ
+from checkpointq.store.base import MAX_SEQ
 from tests.store.conftest import StoreEnv
 from tests.support.checkpoints import make_checkpoint
 

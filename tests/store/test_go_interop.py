@@ -14,8 +14,8 @@ import pytest
 import redis
 import zstandard
 
-from store import RedisStore, deserialize_checkpoint, serialize_checkpoint
-from store.codec import ZSTD_MAGIC
+from checkpointq.store import RedisStore, deserialize_checkpoint, serialize_checkpoint
+from checkpointq.store.codec import ZSTD_MAGIC
 
 GO_VECTORS = [
     # Everything set, with Go's HTML escaping of <, > and &.
@@ -102,7 +102,7 @@ def test_sessions_written_by_go_alone_are_indexed_by_reindex(real_redis: redis.R
 
 
 def test_decompression_is_bounded(real_redis: redis.Redis) -> None:
-    from store import CorruptCheckpoint, StoreOptions
+    from checkpointq.store import CorruptCheckpoint, StoreOptions
 
     store = RedisStore(real_redis, options=StoreOptions(max_decompressed_bytes=1024))
     bomb = _go_frame_without_content_size(b'{"sessionId":"s","x":"' + b"a" * 100_000 + b'"}')

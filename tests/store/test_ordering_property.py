@@ -7,7 +7,7 @@ import itertools
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from store import Checkpoint, CheckpointStore, InMemoryStore, RedisStore
+from checkpointq.store import Checkpoint, CheckpointStore, InMemoryStore, RedisStore
 from tests.store.conftest import StoreEnv
 from tests.support.checkpoints import make_checkpoint
 

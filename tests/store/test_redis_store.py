@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from store import RedisStore, StoreOptions, StoreUnavailable
+from checkpointq.store import RedisStore, StoreOptions, StoreUnavailable
 from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import RedisServer, free_port, wait_until
 

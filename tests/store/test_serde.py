@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from store import (
+from checkpointq.store import (
     Checkpoint,
     CheckpointMetadata,
     ConversationMessage,

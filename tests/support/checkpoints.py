@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from store import Checkpoint, CheckpointMetadata, ConversationMessage
+from checkpointq.store import Checkpoint, CheckpointMetadata, ConversationMessage
 
 
 def make_checkpoint(

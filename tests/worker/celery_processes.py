@@ -30,7 +30,7 @@ class CeleryProcess:
 
     role: str  # "worker" or "beat"
     env: dict[str, str]
-    app: str = "worker.app"
+    app: str = "checkpointq.worker.app"
     extra_args: list[str] = field(default_factory=list)
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cq-celery-")))
     process: subprocess.Popen[bytes] | None = None

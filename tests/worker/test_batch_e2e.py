@@ -5,10 +5,10 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from store.serde import checkpoint_to_wire
-from tasks import fast_publish
-from tasks.batch import APPLY_BATCH
-from tasks.batching import BatchingClient
+from checkpointq.store.serde import checkpoint_to_wire
+from checkpointq.tasks.batch import APPLY_BATCH
+from checkpointq.tasks.producer import fast_publish
+from checkpointq.tasks.producer.batching import BatchingClient
 from tests.support.checkpoints import make_checkpoint
 from tests.worker.conftest import Deployment
 

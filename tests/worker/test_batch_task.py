@@ -9,11 +9,11 @@ import fakeredis
 import pytest
 from celery import Celery
 
-from store.base import BatchOp, BatchResult
-from store.errors import StoreUnavailable
-from store.memory import InMemoryStore
-from store.serde import checkpoint_to_wire
-from tasks import batch, checkpoints, observers, runtime
+from checkpointq.store.base import BatchOp, BatchResult
+from checkpointq.store.errors import StoreUnavailable
+from checkpointq.store.memory import InMemoryStore
+from checkpointq.store.serde import checkpoint_to_wire
+from checkpointq.tasks import batch, checkpoints, observers, runtime
 from tests.support.checkpoints import make_checkpoint
 from tests.worker.test_task_policy import install
 

@@ -6,12 +6,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from store.keys import KeySpace
-from tasks.client import CheckpointClient
+from checkpointq.store.keys import KeySpace
+from checkpointq.tasks.producer.client import CheckpointClient
+from checkpointq.worker.settings import Settings
 from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import RedisServer, wait_until
 from tests.worker.celery_processes import CeleryProcess, checkpointq_env
-from worker.settings import Settings
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from kombu import connection, entity, messaging
 
-from worker.consumer import _leave_for_redelivery, _release_slot_when_broker_lost
+from checkpointq.worker.consumer import _leave_for_redelivery, _release_slot_when_broker_lost
 
 # kombu's hints are partial (untyped functions): its classes are used as Any here.
 Connection: Any = connection.Connection

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from tasks.client import CheckpointClient
+from checkpointq.tasks.producer.client import CheckpointClient
 from tests.support.checkpoints import make_checkpoint
 from tests.worker.conftest import Deployment
 

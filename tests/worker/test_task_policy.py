@@ -11,21 +11,21 @@ import fakeredis
 import pytest
 from celery import Celery
 
-from store.base import Fence, SaveResult
-from store.errors import StoreUnavailable
-from store.keys import KeySpace
-from store.memory import InMemoryStore
-from store.model import Checkpoint
-from store.serde import checkpoint_to_wire
-from tasks import checkpoints, runtime
-from tasks.client import _SeqClock
-from tasks.dead_letters import DeadLetters
-from tasks.policy import RetryPolicy
-from tasks.runtime import Runtime
-from tasks.sweep import sweep
+from checkpointq.store.base import Fence, SaveResult
+from checkpointq.store.errors import StoreUnavailable
+from checkpointq.store.keys import KeySpace
+from checkpointq.store.memory import InMemoryStore
+from checkpointq.store.model import Checkpoint
+from checkpointq.store.serde import checkpoint_to_wire
+from checkpointq.tasks import checkpoints, runtime
+from checkpointq.tasks.dead_letters import DeadLetters
+from checkpointq.tasks.policy import RetryPolicy
+from checkpointq.tasks.producer.client import _SeqClock
+from checkpointq.tasks.runtime import Runtime
+from checkpointq.tasks.sweep import sweep
+from checkpointq.worker.app import celery_config
+from checkpointq.worker.settings import Settings
 from tests.support.checkpoints import make_checkpoint
-from worker.app import celery_config
-from worker.settings import Settings
 
 
 class DownStore(InMemoryStore):

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from store.serde import checkpoint_to_wire
-from tasks.client import DELETE, SAVE
-from tasks.dead_letters import Reason
-from tasks.errors import NotReplayable
+from checkpointq.store.serde import checkpoint_to_wire
+from checkpointq.tasks.dead_letters import Reason
+from checkpointq.tasks.errors import NotReplayable
+from checkpointq.tasks.producer.client import DELETE, SAVE
 from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import wait_until
 from tests.support.workers import QUEUE

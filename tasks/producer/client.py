@@ -1,7 +1,7 @@
 """The producer client for API servers: enqueue by task name, wait for durability, read.
 
 Light on purpose: it imports no task code and needs no result backend. On a Redis broker it
-writes Celery protocol 2 messages itself and LPUSHes them (``tasks.fast_publish``: the stock
+writes Celery protocol 2 messages itself and LPUSHes them (``fast_publish``: the stock
 worker reads them as it reads ``send_task``'s, at a fraction of the producer's cost); on any
 other broker it publishes with Celery's ``send_task``. It stamps every save and delete with
 a ``seq`` (microseconds since the epoch, strictly increasing within this process) and reads
@@ -25,14 +25,15 @@ import orjson
 from celery import Celery
 from kombu.exceptions import OperationalError
 
-from store.base import CheckpointStore, Fence, StoreOptions
-from store.errors import InvalidInput
-from store.model import Checkpoint, validate_session_id
-from store.redis import RedisStore
-from store.serde import checkpoint_from_wire, dumps_go, serialize_checkpoint
-from store.urls import redact_url
-from tasks import brokers, fast_publish
-from tasks.errors import BrokerUnavailable
+from checkpointq.store.base import CheckpointStore, Fence, StoreOptions
+from checkpointq.store.errors import InvalidInput
+from checkpointq.store.model import Checkpoint, validate_session_id
+from checkpointq.store.redis import RedisStore
+from checkpointq.store.serde import checkpoint_from_wire, dumps_go, serialize_checkpoint
+from checkpointq.store.urls import redact_url
+from checkpointq.tasks import brokers
+from checkpointq.tasks.errors import BrokerUnavailable
+from checkpointq.tasks.producer import fast_publish
 
 # The task names are the contract (docs/protocol.md); the client does not import the tasks.
 SAVE = "checkpoint.save"
@@ -51,7 +52,7 @@ PUBLISH_RETRY_POLICY: dict[str, float] = {
 
 
 class ClientSettings(Protocol):
-    """What ``from_settings`` reads; ``worker.settings.Settings`` has all of it."""
+    """What ``from_settings`` reads; ``checkpointq.worker.settings.Settings`` has all of it."""
 
     broker_url: str | None
     key_prefix: str
@@ -121,7 +122,7 @@ class CheckpointClient:
         """Publish to ``broker_url``'s ``queue``; read (and wait on) ``store``.
 
         ``transport_options`` go to kombu for brokers published to through Celery
-        (``tasks.brokers.transport_options``: confirms on RabbitMQ, the master's name on
+        (``checkpointq.tasks.brokers.transport_options``: confirms on RabbitMQ, the master's name on
         Sentinel); ``from_settings`` fills them in.
         """
         self._transport_options = dict(transport_options or {})

@@ -3,14 +3,14 @@
 Where the numbers come from, and why:
 
 * queue depth and the oldest queued request's age: from the broker, whatever its kind
-  (``worker/broker_probe.py``: LLEN and LINDEX of the list's far end on Redis and Sentinel,
+  (``worker/ops/broker_probe.py``: LLEN and LINDEX of the list's far end on Redis and Sentinel,
   whose ``seq`` says when it was made; a passive queue declare on RabbitMQ, which cannot
   show the oldest message without consuming it, so its age is "unknown" there);
 * dead-letter depth (XLEN), sessions (ZCOUNT of the deadline index), events (XLEN): read
   directly from the store, each O(1) or O(log n);
 * the next sweep: RedBeat's schedule in Redis (``health.next_sweep``);
 * throughput, lag and dead letters by reason: the workers' heartbeats. Every worker already
-  writes a heartbeat every few seconds (``worker/health.py``) carrying its totals so far
+  writes a heartbeat every few seconds (``worker/ops/health.py``) carrying its totals so far
   (summed over its pool processes from the metrics files), so ``top`` costs the workers
   nothing per request: no extra Redis command per task (a per-request HINCRBY would add a
   round trip to every save), and no need to reach each worker's metrics port (which ``top``
@@ -31,11 +31,12 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from store.urls import redact_url
-from tasks.errors import BrokerUnavailable
-from worker import broker_probe, connections, health
-from worker.logs import redact
-from worker.settings import Settings
+from checkpointq.store.urls import redact_url
+from checkpointq.tasks.errors import BrokerUnavailable
+from checkpointq.worker import connections
+from checkpointq.worker.logs import redact
+from checkpointq.worker.ops import broker_probe, health
+from checkpointq.worker.settings import Settings
 
 #: Outcomes in the order the throughput table shows them.
 OUTCOME_ORDER = (

@@ -13,7 +13,7 @@ counts a second time.
 
 Gauges that describe the broker and the store (queue depth, dead-letter depth, sessions)
 are not kept by any process: ``RedisGauges`` reads them at scrape time, in the main
-process, with O(1) or O(log n) reads: the queue's depth through ``worker/broker_probe.py``
+process, with O(1) or O(log n) reads: the queue's depth through ``worker/ops/broker_probe.py``
 (LLEN on Redis and Sentinel, a passive queue declare on RabbitMQ), XLEN and ZCOUNT on the
 store. Nothing connects at start-up: a broker or store that is down when the worker starts
 shows as ``checkpointq_redis_up 0`` on the scrapes, instead of stopping the worker.
@@ -40,11 +40,12 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 from redis.exceptions import RedisClusterException, RedisError
 
-from tasks import observers
-from tasks.errors import BrokerUnavailable
-from tasks.observers import Observation, Received
-from worker import broker_probe, connections
-from worker.settings import Settings
+from checkpointq.tasks import observers
+from checkpointq.tasks.errors import BrokerUnavailable
+from checkpointq.tasks.observers import Observation, Received
+from checkpointq.worker import connections
+from checkpointq.worker.ops import broker_probe
+from checkpointq.worker.settings import Settings
 
 logger = logging.getLogger(__name__)
 

@@ -30,12 +30,13 @@ from celery import Celery, bootsteps
 from redbeat.schedulers import RedBeatConfig, RedBeatSchedulerEntry
 from redis.exceptions import RedisClusterException
 
-from store.keys import KeySpace
-from store.urls import redact_url
-from tasks.errors import BrokerUnavailable
-from worker import broker_probe, connections, metrics
-from worker.beat import SWEEP_ENTRY, beat_config
-from worker.settings import Settings
+from checkpointq.store.keys import KeySpace
+from checkpointq.store.urls import redact_url
+from checkpointq.tasks.errors import BrokerUnavailable
+from checkpointq.worker import connections
+from checkpointq.worker.beat import SWEEP_ENTRY, beat_config
+from checkpointq.worker.ops import broker_probe, metrics
+from checkpointq.worker.settings import Settings
 
 logger = logging.getLogger(__name__)
 

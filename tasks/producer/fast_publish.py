@@ -35,8 +35,8 @@ from redis import exceptions as redis_errors
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from store.urls import redact_url
-from tasks.errors import BrokerUnavailable
+from checkpointq.store.urls import redact_url
+from checkpointq.tasks.errors import BrokerUnavailable
 
 #: URL schemes kombu's Redis transport serves (kombu spells unix sockets ``redis+socket``).
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+socket://", "socket://")

@@ -36,12 +36,12 @@ from typing import Any
 
 import orjson
 
-from store.base import Fence
-from store.model import Checkpoint, validate_session_id
-from tasks import fast_publish
-from tasks.batch import APPLY_BATCH, MAX_ITEMS
-from tasks.client import DELETE, SAVE, CheckpointClient, Handle, next_seq
-from tasks.errors import BrokerUnavailable
+from checkpointq.store.base import Fence
+from checkpointq.store.model import Checkpoint, validate_session_id
+from checkpointq.tasks.batch import APPLY_BATCH, MAX_ITEMS
+from checkpointq.tasks.errors import BrokerUnavailable
+from checkpointq.tasks.producer import fast_publish
+from checkpointq.tasks.producer.client import DELETE, SAVE, CheckpointClient, Handle, next_seq
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class BatchingClient:
 
         Args:
             window_ms: longest a request waits for others before its batch is published.
-            max_items: most requests per message (at most ``tasks.batch.MAX_ITEMS``).
+            max_items: most requests per message (at most ``checkpointq.tasks.batch.MAX_ITEMS``).
             max_bytes: largest message body; default the client's ``max_message_bytes``
                 (the worker dead-letters larger ones).
         """

@@ -1,0 +1,154 @@
+"""Acceptance: the built wheel, installed into a clean venv, is ``checkpointq.*`` and nothing else.
+
+A user's project usually has its own ``tasks.py`` (Celery's layout), often a ``worker.py`` or
+``store.py``. Installed, checkpointq must import as ``checkpointq.store``, ``checkpointq.tasks``
+and ``checkpointq.worker`` only, and no process it starts may pick up the user's modules from
+the current directory. The wheel is built from this checkout and installed with its
+dependencies into a new venv, then ``up``, ``save --wait`` and ``show`` run in a directory
+whose ``tasks.py``, ``worker.py``, ``store.py`` and ``checkpointq.py`` fail loudly if imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.servers import wait_until
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Seconds for building and installing (pip may resolve every dependency from its index).
+INSTALL_TIMEOUT = 600
+#: Seconds `up` may take to start or stop on a loaded two-core machine.
+DEADLINE = 90
+#: Modules a user's project may have beside it; importing any of them is the failure.
+SHADOWS = ("tasks", "worker", "store", "checkpointq")
+
+
+def _run(*args: str | Path, cwd: Path | None = None, timeout: float = INSTALL_TIMEOUT) -> str:
+    done = subprocess.run(
+        [str(a) for a in args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert done.returncode == 0, f"{args} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A clean venv with the wheel built from this checkout installed; returns its bin dir."""
+    base = tmp_path_factory.mktemp("wheel")
+    _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", base / "dist", ROOT)
+    (wheel,) = (base / "dist").glob("checkpointq-*.whl")
+    _run(sys.executable, "-m", "venv", base / "venv")
+    _run(base / "venv" / "bin" / "python", "-m", "pip", "install", "-q", wheel)
+    return base / "venv" / "bin"
+
+
+@pytest.fixture
+def user_project(tmp_path: Path) -> Path:
+    """A project directory whose own top-level modules must never be imported by checkpointq."""
+    project = tmp_path / "project"
+    project.mkdir()
+    for name in SHADOWS:
+        (project / f"{name}.py").write_text(
+            f"open({str(project / (name + '.imported'))!r}, 'w').close()\n"
+            f"raise ImportError('the user project\\'s {name}.py was imported')\n"
+        )
+    return project
+
+
+def _env(bin_dir: Path) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("CHECKPOINTQ_", "PYTHON"))}
+    return {**base, "PATH": f"{bin_dir}{os.pathsep}{base.get('PATH', '')}"}
+
+
+def test_wheel_installs_only_the_checkpointq_namespace(installed: Path) -> None:
+    site = Path(
+        _run(installed / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+        .strip()
+    )
+    ours = {p.name for p in site.iterdir() if p.name.lower().startswith("checkpointq")}
+    assert "checkpointq" in ours
+    assert not any((site / name).exists() for name in ("store", "tasks", "worker"))
+    package = site / "checkpointq"
+    assert sorted(p.name for p in package.iterdir() if p.name != "__pycache__") == [
+        "store",
+        "tasks",
+        "worker",
+    ]
+    # The Lua scripts are package data, read at import time by the store.
+    assert {p.name for p in (package / "store" / "lua").glob("*.lua")} >= {"save.lua"}
+
+
+@pytest.fixture
+def up(installed: Path, user_project: Path) -> Iterator[subprocess.Popen[bytes]]:
+    log = (user_project / "up.log").open("wb")
+    process = subprocess.Popen(
+        [installed / "checkpointq", "up"],
+        cwd=user_project,
+        env=_env(installed),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=DEADLINE)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        log.close()
+
+
+def test_installed_up_save_show_never_import_the_users_modules(
+    installed: Path, user_project: Path, up: subprocess.Popen[bytes]
+) -> None:
+    def checkpointq(*args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [installed / "checkpointq", *args],
+            cwd=user_project,
+            env=_env(installed),
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=DEADLINE,
+            check=False,
+        )
+
+    log = user_project / "up.log"
+    # Given `up` from the installed wheel, started in a project with its own tasks.py etc.
+    wait_until(
+        lambda: up.poll() is None and checkpointq("stats").returncode == 0,
+        timeout=DEADLINE,
+        message=f"installed checkpointq up to serve; log: {log}",
+    )
+
+    # When a checkpoint is saved and waited for, then shown, from the same directory
+    document = {"sessionId": "wheel-demo", "version": 3, "metadata": {"totalTokens": 11}}
+    saved = checkpointq("save", "-", "--wait", "--timeout", str(DEADLINE), input=json.dumps(document))
+    assert saved.returncode == 0, saved.stderr
+    shown = checkpointq("show", "wheel-demo", "--json")
+    assert shown.returncode == 0, shown.stderr
+
+    # Then it round-trips, `up` stops cleanly, and none of the user's modules was ever imported
+    assert json.loads(shown.stdout)["metadata"]["totalTokens"] == 11
+    up.send_signal(signal.SIGINT)
+    assert up.wait(timeout=DEADLINE) == 0, log.read_text(errors="replace")
+    imported = sorted(p.name for p in user_project.glob("*.imported"))
+    assert imported == [], log.read_text(errors="replace")

@@ -1,0 +1,1 @@
+"""Operations: heartbeats and health, metrics, the live view, and looking at the broker."""
