@@ -1,0 +1,455 @@
+// Package checkpointq is the Go producer of checkpointq: a drop-in for the checkpoint
+// package's Store that enqueues saves and deletes for the checkpointq workers instead of
+// writing Redis itself, and reads the store the workers write (the Go RedisStore's layout).
+//
+// Save and Delete publish one fenced Celery protocol 2 message each (one LPUSH) and return
+// at once; WaitDurable tells when, and how, a request took effect. Every request carries a
+// causal seq (see docs/protocol.md, "The producer rule").
+package checkpointq
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"reflect"
+	"sort"
+	"strconv"
+	"time"
+)
+
+// Config says where a Client publishes and reads. Zero fields take the defaults named.
+type Config struct {
+	// Broker receives the requests (CHECKPOINTQ_BROKER_URL's Redis). Required.
+	Broker Redis
+	// Store is the store Redis (CHECKPOINTQ_STORE_URL); nil: the broker's.
+	Store Redis
+	// Queue is the broker list (CHECKPOINTQ_QUEUE); default "checkpoints".
+	Queue string
+	// Prefix of every store key (CHECKPOINTQ_KEY_PREFIX); default DefaultPrefix.
+	Prefix string
+	// PublishTimeout bounds one Save or Delete, retries included; default 5 s.
+	PublishTimeout time.Duration
+	// ReadTimeout bounds one Load or List when ctx has no earlier deadline; default 5 s.
+	ReadTimeout time.Duration
+	// WaitTimeout bounds WaitDurable when ctx has no deadline; default 10 s.
+	WaitTimeout time.Duration
+	// MaxMessageBytes is the largest body published (CHECKPOINTQ_MAX_MESSAGE_BYTES, whose
+	// default, 8 MiB, is this default too); larger requests fail with ErrInvalidInput.
+	MaxMessageBytes int
+	// HistoryCap is how many of the most recent messages a save keeps (the Go store: 100).
+	HistoryCap int
+	// Now is the clock that stamps requests; default time.Now.
+	Now func() time.Time
+	// WaitOnWrite makes Save and Delete return only once WaitDurable has (read-your-writes,
+	// as with the Go RedisStore, at the cost of the worker's latency); a refused request
+	// is then their error. Off by default: they return as soon as the broker has them.
+	WaitOnWrite bool
+}
+
+// Handle names a request on its way: pass it to WaitDurable.
+type Handle struct {
+	// TaskID is the message's id (headers.id), the request's identity everywhere.
+	TaskID string
+	// Task is TaskSave or TaskDelete.
+	Task string
+	// SessionID is the session the request is for.
+	SessionID string
+	// Seq is the request's causal seq.
+	Seq int64
+	// Ref is what Save returns: "session://<sessionId>/v<version>" ("" for deletes).
+	Ref string
+}
+
+// Outcome is how a request ended, once it has.
+type Outcome string
+
+const (
+	// Applied: the request is what the store holds for its session.
+	Applied Outcome = "applied"
+	// Superseded: a newer request for the session won; this one no longer can (it was
+	// applied and overwritten, or refused as stale).
+	Superseded Outcome = "superseded"
+)
+
+// Result is WaitDurable's answer: the outcome and the fence it was read from.
+type Result struct {
+	Outcome Outcome
+	// FenceSeq is the seq of the session's last applied request.
+	FenceSeq int64
+	// Deleted: that request was a delete.
+	Deleted bool
+	// Winner is that request's task id ("" from workers that do not record it).
+	Winner string
+}
+
+// Client implements the checkpoint package's Store for the checkpoint type C (the
+// apiserver's agentorcav1alpha1.Checkpoint, or this package's Checkpoint, which has the
+// same JSON). Safe for concurrent use.
+type Client[C any] struct {
+	cfg     Config
+	keys    keySpace
+	clock   *seqClock
+	fields  checkpointFields
+	replyTo string
+	origin  string
+}
+
+// New returns a client for cfg. Like the Go NewRedisStore, it panics when cfg.Broker is
+// nil: a programming error, not a runtime condition.
+func New[C any](cfg Config) *Client[C] {
+	if cfg.Broker == nil {
+		panic("checkpointq.New: Config.Broker must not be nil")
+	}
+	if cfg.Store == nil {
+		cfg.Store = cfg.Broker
+	}
+	if cfg.Queue == "" {
+		cfg.Queue = "checkpoints"
+	}
+	if cfg.Prefix == "" {
+		cfg.Prefix = DefaultPrefix
+	}
+	if cfg.PublishTimeout <= 0 {
+		cfg.PublishTimeout = 5 * time.Second
+	}
+	if cfg.ReadTimeout <= 0 {
+		cfg.ReadTimeout = 5 * time.Second
+	}
+	if cfg.WaitTimeout <= 0 {
+		cfg.WaitTimeout = 10 * time.Second
+	}
+	if cfg.MaxMessageBytes <= 0 {
+		cfg.MaxMessageBytes = 8 << 20
+	}
+	if cfg.HistoryCap <= 0 {
+		cfg.HistoryCap = 100
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	replyTo, err := newUUID()
+	if err != nil {
+		panic(err)
+	}
+	return &Client[C]{
+		cfg: cfg, keys: keySpace{cfg.Prefix}, clock: newSeqClock(cfg.Now),
+		fields:  fieldsOf(reflect.TypeOf((*C)(nil)).Elem()),
+		replyTo: replyTo, origin: origin(),
+	}
+}
+
+// RequestOption adjusts one Save or Delete.
+type RequestOption func(*requestOptions)
+
+type requestOptions struct{ after int64 }
+
+// After makes the request sort after seq: pass the seq that LoadWithSeq returned in
+// another process (a load in this process is taken into account without it).
+func After(seq int64) RequestOption { return func(o *requestOptions) { o.after = seq } }
+
+func applyOptions(opts []RequestOption) requestOptions {
+	var o requestOptions
+	for _, opt := range opts {
+		opt(&o)
+	}
+	return o
+}
+
+// -- writes ------------------------------------------------------------------------------
+
+// Save enqueues a save of cp and returns its ref at once (Store.Save). Use SaveAsync for
+// the handle WaitDurable takes.
+func (c *Client[C]) Save(ctx context.Context, cp *C) (string, error) {
+	h, err := c.SaveAsync(ctx, cp)
+	if err == nil && c.cfg.WaitOnWrite {
+		_, err = c.WaitDurable(ctx, h)
+	}
+	return h.Ref, err
+}
+
+// SaveAsync enqueues a save of cp, keeping its HistoryCap most recent messages, and
+// returns the request's handle once the broker has it.
+func (c *Client[C]) SaveAsync(ctx context.Context, cp *C, opts ...RequestOption) (Handle, error) {
+	if cp == nil {
+		return Handle{}, fmt.Errorf("%w: nil checkpoint", ErrInvalidInput)
+	}
+	head, err := marshalCheckpoint(c.fields, cp, c.cfg.HistoryCap)
+	if err != nil {
+		return Handle{}, err
+	}
+	if err := ValidateSessionID(head.SessionID); err != nil {
+		return Handle{}, err
+	}
+	doc := head.Doc
+	seq, err := c.clock.next(head.SessionID, applyOptions(opts).after)
+	if err != nil {
+		return Handle{}, err
+	}
+	args := make([]byte, 0, len(doc)+2)
+	args = append(append(append(args, '['), doc...), ']')
+	argsRepr := fmt.Sprintf("[<checkpoint %s v%d, %d bytes>]", pyQuote(head.SessionID), head.Version, len(doc))
+	h := Handle{
+		Task: TaskSave, SessionID: head.SessionID, Seq: seq,
+		Ref: fmt.Sprintf("session://%s/v%d", head.SessionID, head.Version),
+	}
+	return c.enqueue(ctx, h, protocolBody(args, seq), argsRepr)
+}
+
+// Delete enqueues a delete of sessionID (Store.Delete); an empty id is a no-op, as in the
+// Go store. Use DeleteAsync for the handle WaitDurable takes.
+func (c *Client[C]) Delete(ctx context.Context, sessionID string) error {
+	if sessionID == "" {
+		return nil
+	}
+	h, err := c.DeleteAsync(ctx, sessionID)
+	if err == nil && c.cfg.WaitOnWrite {
+		_, err = c.WaitDurable(ctx, h)
+	}
+	return err
+}
+
+// DeleteAsync enqueues a delete of sessionID (its tombstone keeps older saves out) and
+// returns the request's handle once the broker has it.
+func (c *Client[C]) DeleteAsync(ctx context.Context, sessionID string, opts ...RequestOption) (Handle, error) {
+	if err := ValidateSessionID(sessionID); err != nil {
+		return Handle{}, err
+	}
+	seq, err := c.clock.next(sessionID, applyOptions(opts).after)
+	if err != nil {
+		return Handle{}, err
+	}
+	args, _ := json.Marshal([]string{sessionID})
+	h := Handle{Task: TaskDelete, SessionID: sessionID, Seq: seq}
+	return c.enqueue(ctx, h, protocolBody(args, seq), "["+pyQuote(sessionID)+"]")
+}
+
+func (c *Client[C]) enqueue(ctx context.Context, h Handle, body []byte, argsRepr string) (Handle, error) {
+	if len(body) > c.cfg.MaxMessageBytes {
+		return Handle{}, fmt.Errorf("%w: %s for session %q is %d bytes; the limit is %d",
+			ErrInvalidInput, h.Task, h.SessionID, len(body), c.cfg.MaxMessageBytes)
+	}
+	taskID, err := newUUID()
+	if err != nil {
+		return Handle{}, err
+	}
+	h.TaskID = taskID
+	kwargsRepr := "{'seq': " + strconv.FormatInt(h.Seq, 10) + "}"
+	msg, err := buildEnvelope(h.Task, taskID, c.cfg.Queue, c.replyTo, c.origin, argsRepr, kwargsRepr, body)
+	if err != nil {
+		return Handle{}, err
+	}
+	if err := c.publish(ctx, h, msg); err != nil {
+		return Handle{}, err
+	}
+	return h, nil
+}
+
+// publish LPUSHes msg, retrying failed pushes with backoff until PublishTimeout. A push
+// that failed after all may still have landed, so one request can arrive twice: harmless,
+// since requests are fenced by seq.
+func (c *Client[C]) publish(ctx context.Context, h Handle, msg []byte) error {
+	ctx, cancel := context.WithTimeout(ctx, c.cfg.PublishTimeout)
+	defer cancel()
+	wait := 50 * time.Millisecond
+	for attempt := 1; ; attempt++ {
+		err := c.cfg.Broker.LPush(ctx, c.cfg.Queue, msg)
+		if err == nil {
+			return nil
+		}
+		fail := func(cause error) error {
+			return fmt.Errorf("%w: %s for session %q not published to queue %q (%d attempt(s) within %s): %v",
+				ErrBrokerUnavailable, h.Task, h.SessionID, c.cfg.Queue, attempt, c.cfg.PublishTimeout, cause)
+		}
+		if ctx.Err() != nil {
+			return fail(err)
+		}
+		select {
+		case <-time.After(wait):
+		case <-ctx.Done():
+			return fail(err)
+		}
+		if wait *= 2; wait > time.Second {
+			wait = time.Second
+		}
+	}
+}
+
+// -- reads -------------------------------------------------------------------------------
+
+// Load reads sessionID's checkpoint from the store (Store.Load): nil, nil when absent,
+// expired or deleted, and for an empty id.
+func (c *Client[C]) Load(ctx context.Context, sessionID string) (*C, error) {
+	cp, _, err := c.LoadWithSeq(ctx, sessionID)
+	return cp, err
+}
+
+// LoadWithSeq is Load that also returns the session's fence seq (0 when none): the seq
+// of the last applied request. A later Save or Delete from this client sorts after it by
+// itself; a process that saves what another loaded passes it as After(seq).
+func (c *Client[C]) LoadWithSeq(ctx context.Context, sessionID string) (*C, int64, error) {
+	if sessionID == "" {
+		return nil, 0, nil
+	}
+	if err := ValidateSessionID(sessionID); err != nil {
+		return nil, 0, err
+	}
+	ctx, cancel := c.readContext(ctx)
+	defer cancel()
+	keys := []string{c.keys.data(sessionID), c.keys.fence(sessionID)}
+	reply, err := c.cfg.Store.Eval(ctx, loadScript, keys)
+	if err != nil {
+		return nil, 0, fmt.Errorf("%w: load %q: %v", ErrStoreUnavailable, sessionID, err)
+	}
+	items, err := replyList(reply, 2)
+	if err != nil {
+		return nil, 0, fmt.Errorf("%w: load %q: %v", ErrStoreUnavailable, sessionID, err)
+	}
+	seq, hasSeq, err := replyInt(items[1])
+	if err != nil {
+		return nil, 0, fmt.Errorf("%w: fence of %q: %v", ErrCorrupt, sessionID, err)
+	}
+	if hasSeq {
+		c.clock.observe(sessionID, seq)
+	}
+	stored, found, err := replyBytes(items[0])
+	if err != nil || !found {
+		return nil, seq, err
+	}
+	doc, err := decodeValue(stored)
+	if err != nil {
+		return nil, seq, fmt.Errorf("%w: %q: %v", ErrCorrupt, sessionID, err)
+	}
+	cp := new(C)
+	if err := json.Unmarshal(doc, cp); err != nil {
+		return nil, seq, fmt.Errorf("%w: %q: %v", ErrCorrupt, sessionID, err)
+	}
+	return cp, seq, nil
+}
+
+// List returns every live session id, sorted (Store.List). It reads checkpointq's
+// deadline index rather than SCANning the keyspace, so its cost follows the sessions.
+func (c *Client[C]) List(ctx context.Context) ([]string, error) {
+	ctx, cancel := c.readContext(ctx)
+	defer cancel()
+	now := c.cfg.Now().UnixMilli()
+	seen := make(map[string]struct{})
+	var cursor uint64
+	for {
+		pairs, next, err := c.cfg.Store.ZScan(ctx, c.keys.index(), cursor, 1000)
+		if err != nil {
+			return nil, fmt.Errorf("%w: list sessions: %v", ErrStoreUnavailable, err)
+		}
+		for i := 0; i+1 < len(pairs); i += 2 {
+			deadline, err := strconv.ParseFloat(pairs[i+1], 64)
+			if err == nil && deadline > float64(now) {
+				seen[pairs[i]] = struct{}{}
+			}
+		}
+		if cursor = next; cursor == 0 {
+			break
+		}
+	}
+	ids := make([]string, 0, len(seen))
+	for id := range seen {
+		ids = append(ids, id)
+	}
+	sort.Strings(ids)
+	return ids, nil
+}
+
+func (c *Client[C]) readContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, c.cfg.ReadTimeout)
+}
+
+// -- read-your-writes --------------------------------------------------------------------
+
+// WaitDurable blocks until h's own outcome is known: Applied or Superseded. A request the
+// worker dead-lettered returns a *RefusedError (errors.Is(err, ErrRefused)) with the
+// reason and the dead letter's id. Without a deadline on ctx it waits at most WaitTimeout;
+// when the deadline passes first, the error wraps ctx's error and says how far the
+// session's fence got.
+func (c *Client[C]) WaitDurable(ctx context.Context, h Handle) (Result, error) {
+	if h.TaskID == "" || h.SessionID == "" {
+		return Result{}, fmt.Errorf("%w: WaitDurable needs a handle from SaveAsync or DeleteAsync", ErrInvalidInput)
+	}
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, c.cfg.WaitTimeout)
+		defer cancel()
+	}
+	keys := []string{c.keys.fence(h.SessionID), c.keys.refused(h.TaskID)}
+	delay := 5 * time.Millisecond
+	var fenceSeq int64
+	var storeErr error // the last read's failure (nil once a read succeeded since)
+	succeeded := false
+	for {
+		reply, err := c.cfg.Store.Eval(ctx, outcomeScript, keys)
+		if err == nil {
+			res, done, err := c.decide(h, reply)
+			if done || err != nil {
+				return res, err
+			}
+			fenceSeq, storeErr, succeeded = res.FenceSeq, nil, true
+		} else if ctx.Err() == nil || !succeeded {
+			// A failure before the deadline, or no read ever answering: the store is the
+			// problem (a read cut short by the deadline after good ones is not).
+			storeErr = err
+		}
+		if ctx.Err() != nil {
+			if storeErr != nil {
+				return Result{}, fmt.Errorf("%w: waiting for %s %s for session %q: %v (%v)",
+					ErrStoreUnavailable, h.Task, h.TaskID, h.SessionID, storeErr, ctx.Err())
+			}
+			return Result{}, fmt.Errorf("checkpointq: %s %s for session %q (seq %d) not durable yet, fence at seq %d: %w",
+				h.Task, h.TaskID, h.SessionID, h.Seq, fenceSeq, ctx.Err())
+		}
+		select {
+		case <-time.After(delay):
+		case <-ctx.Done():
+		}
+		if delay *= 2; delay > 250*time.Millisecond {
+			delay = 250 * time.Millisecond
+		}
+	}
+}
+
+// decide reads outcomeScript's reply: done is true once h's outcome is known.
+func (c *Client[C]) decide(h Handle, reply interface{}) (res Result, done bool, err error) {
+	items, err := replyList(reply, 6)
+	if err != nil {
+		return Result{}, false, err
+	}
+	if kind, _ := replyText(items[3]); kind != "" {
+		reason, _ := replyText(items[4])
+		entry, _ := replyText(items[5])
+		return Result{}, true, &RefusedError{Handle: h, Kind: kind, Reason: reason, Entry: entry}
+	}
+	seq, hasSeq, err := replyInt(items[0])
+	if err != nil || !hasSeq {
+		return Result{}, false, err
+	}
+	c.clock.observe(h.SessionID, seq)
+	deleted, _ := replyText(items[1])
+	winner, _ := replyText(items[2])
+	res = Result{FenceSeq: seq, Deleted: deleted == "1", Winner: winner}
+	switch {
+	case winner == h.TaskID, winner == "" && seq == h.Seq:
+		// (Workers that do not record the winner: the fence at this request's own seq.)
+		res.Outcome = Applied
+	case seq > h.Seq, seq == h.Seq && res.Deleted && h.Task == TaskSave:
+		res.Outcome = Superseded
+	default:
+		return res, false, nil
+	}
+	return res, true, nil
+}
+
+// -- helpers -----------------------------------------------------------------------------
+
+// pyQuote renders s as Python's repr would, roughly: for argsrepr (logs only).
+func pyQuote(s string) string {
+	if len(s) > 40 {
+		s = s[:37] + "..."
+	}
+	return "'" + s + "'"
+}

@@ -1,0 +1,153 @@
+package checkpointq
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+)
+
+// skewedTurns runs the apiserver's pattern with two replicas whose clocks are 2 s apart:
+// they take turns on one session, each turn load -> bump version -> save -> wait. Every
+// save comes strictly after the previous one in real time. It returns how many saves did
+// not end as the session's value.
+func skewedTurns(t *testing.T, turns int, wallClockOnly bool) (lost int) {
+	t.Helper()
+	ctx := background(t)
+	fast := newClient[Checkpoint](t, Config{})
+	slow := newClient[Checkpoint](t, Config{Now: func() time.Time { return time.Now().Add(-2 * time.Second) }})
+	fast.clock.wallClockOnly, slow.clock.wallClockOnly = wallClockOnly, wallClockOnly
+	id := sessionID(t, "skew")
+	for turn := 0; turn < turns; turn++ {
+		replica := fast
+		if turn%2 == 1 {
+			replica = slow
+		}
+		cp, err := replica.Load(ctx, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if cp == nil {
+			cp = sampleCheckpoint(id, 0)
+		}
+		cp.Version++
+		h, err := replica.SaveAsync(ctx, cp)
+		if err != nil {
+			t.Fatal(err)
+		}
+		res, err := replica.WaitDurable(ctx, h)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := replica.Load(ctx, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got.Version != cp.Version {
+			lost++
+			if res.Outcome != Superseded {
+				t.Fatalf("turn %d: save lost but WaitDurable said %s", turn, res.Outcome)
+			}
+		} else if res.Outcome != Applied {
+			t.Fatalf("turn %d: save applied but WaitDurable said %s", turn, res.Outcome)
+		}
+	}
+	return lost
+}
+
+func TestSkewedReplicasLoseNoSave(t *testing.T) {
+	const turns = 20
+	before := skewedTurns(t, turns, true)
+	after := skewedTurns(t, turns, false)
+	t.Logf("skew experiment (clocks 2 s apart, %d alternating saves): wall-clock seq lost %d, causal seq lost %d",
+		turns, before, after)
+	if before == 0 {
+		t.Fatal("the wall-clock experiment lost nothing: the test no longer reproduces the skew")
+	}
+	if after != 0 {
+		t.Fatalf("causal seq lost %d of %d saves", after, turns)
+	}
+}
+
+func TestWaitDurableTellsAppliedFromSuperseded(t *testing.T) {
+	c := newClient[Checkpoint](t, Config{})
+	ctx := background(t)
+	id := sessionID(t, "s")
+	older, err := c.SaveAsync(ctx, sampleCheckpoint(id, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	newer, err := c.SaveAsync(ctx, sampleCheckpoint(id, 2))
+	if err != nil {
+		t.Fatal(err)
+	}
+	res := mustWait(t, c, newer, Applied)
+	if res.FenceSeq != newer.Seq {
+		t.Fatalf("fence at %d, want the newer save's %d", res.FenceSeq, newer.Seq)
+	}
+	mustWait(t, c, older, Superseded)
+	del, err := c.DeleteAsync(ctx, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res := mustWait(t, c, del, Applied); !res.Deleted {
+		t.Fatalf("delete applied but fence says %+v", res)
+	}
+	mustWait(t, c, newer, Superseded)
+}
+
+func TestWaitDurableIsBoundedWhenNobodyApplies(t *testing.T) {
+	// A queue no worker reads: the request is never applied.
+	c := newClient[Checkpoint](t, Config{Queue: "nobody-reads-this"})
+	ctx := background(t)
+	h, err := c.SaveAsync(ctx, sampleCheckpoint(sessionID(t, "x"), 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	short, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	defer cancel()
+	_, err = c.WaitDurable(short, h)
+	if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "not durable yet") {
+		t.Fatalf("err = %v, want a deadline error saying the request is not durable yet", err)
+	}
+	if _, err := env.broker.Do("DEL", "nobody-reads-this"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestBrokerDownFailsWithinThePublishTimeout(t *testing.T) {
+	down := newRedigo(closedAddr(t))
+	c := New[Checkpoint](Config{Broker: down, PublishTimeout: time.Second})
+	_, err := c.Save(background(t), sampleCheckpoint(sessionID(t, "x"), 1))
+	if !errors.Is(err, ErrBrokerUnavailable) || !strings.Contains(err.Error(), "connection refused") {
+		t.Fatalf("err = %v, want ErrBrokerUnavailable naming the refused connection", err)
+	}
+}
+
+func TestSilentBrokerFailsWithinThePublishTimeout(t *testing.T) {
+	silent := newRedigo(silentListener(t))
+	c := New[Checkpoint](Config{Broker: silent, PublishTimeout: 500 * time.Millisecond})
+	err := c.Delete(background(t), sessionID(t, "x"))
+	if !errors.Is(err, ErrBrokerUnavailable) || !strings.Contains(err.Error(), "timeout") {
+		t.Fatalf("err = %v, want ErrBrokerUnavailable after a timeout", err)
+	}
+}
+
+func TestSilentStoreFailsReadsWithinTheirTimeout(t *testing.T) {
+	silent := newRedigo(silentListener(t))
+	c := New[Checkpoint](Config{Broker: silent, Store: silent, ReadTimeout: 300 * time.Millisecond})
+	ctx := background(t)
+	if _, err := c.Load(ctx, "x"); !errors.Is(err, ErrStoreUnavailable) {
+		t.Fatalf("Load: err = %v, want ErrStoreUnavailable", err)
+	}
+	if _, err := c.List(ctx); !errors.Is(err, ErrStoreUnavailable) {
+		t.Fatalf("List: err = %v, want ErrStoreUnavailable", err)
+	}
+	short, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	h := Handle{TaskID: "t", Task: TaskSave, SessionID: "x", Seq: 1}
+	if _, err := c.WaitDurable(short, h); !errors.Is(err, ErrStoreUnavailable) {
+		t.Fatalf("WaitDurable: err = %v, want ErrStoreUnavailable", err)
+	}
+}

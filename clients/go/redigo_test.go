@@ -1,0 +1,81 @@
+package checkpointq
+
+import (
+	"context"
+	"crypto/sha1"
+	"encoding/hex"
+	"strings"
+	"time"
+
+	"github.com/gomodule/redigo/redis"
+)
+
+// redigoRedis adapts a redigo pool to the client's Redis interface: the adapter the tests
+// use (README.md has the go-redis/v9 one). Every command is bounded by ctx's deadline.
+type redigoRedis struct {
+	pool *redis.Pool
+}
+
+func newRedigo(addr string) *redigoRedis {
+	return &redigoRedis{pool: &redis.Pool{
+		MaxIdle:     16,
+		IdleTimeout: time.Minute,
+		DialContext: func(ctx context.Context) (redis.Conn, error) {
+			return redis.DialContext(ctx, "tcp", addr,
+				redis.DialConnectTimeout(5*time.Second),
+				redis.DialReadTimeout(5*time.Second),
+				redis.DialWriteTimeout(5*time.Second))
+		},
+	}}
+}
+
+func (r *redigoRedis) do(ctx context.Context, cmd string, args ...interface{}) (interface{}, error) {
+	conn, err := r.pool.GetContext(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close()
+	var timeout time.Duration // 0: the dial's read timeout
+	if deadline, ok := ctx.Deadline(); ok {
+		if timeout = time.Until(deadline); timeout <= 0 {
+			return nil, context.DeadlineExceeded
+		}
+	}
+	return redis.DoWithTimeout(conn, timeout, cmd, args...)
+}
+
+func (r *redigoRedis) LPush(ctx context.Context, key string, value []byte) error {
+	_, err := r.do(ctx, "LPUSH", key, value)
+	return err
+}
+
+func (r *redigoRedis) Eval(ctx context.Context, script string, keys []string, args ...interface{}) (interface{}, error) {
+	sum := sha1.Sum([]byte(script))
+	params := make([]interface{}, 0, 2+len(keys)+len(args))
+	params = append(params, hex.EncodeToString(sum[:]), len(keys))
+	for _, k := range keys {
+		params = append(params, k)
+	}
+	params = append(params, args...)
+	reply, err := r.do(ctx, "EVALSHA", params...)
+	if err != nil && strings.HasPrefix(err.Error(), "NOSCRIPT") {
+		params[0] = script
+		reply, err = r.do(ctx, "EVAL", params...)
+	}
+	return reply, err
+}
+
+func (r *redigoRedis) ZScan(ctx context.Context, key string, cursor uint64, count int64) ([]string, uint64, error) {
+	reply, err := redis.Values(r.do(ctx, "ZSCAN", key, cursor, "COUNT", count))
+	if err != nil {
+		return nil, 0, err
+	}
+	next, err := redis.Uint64(reply[0], nil)
+	if err != nil {
+		return nil, 0, err
+	}
+	pairs, err := redis.Strings(reply[1], nil)
+	return pairs, next, err
+}
+
+func (r *redigoRedis) Close() error { return r.pool.Close() }

@@ -1,0 +1,78 @@
+package checkpointq
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+)
+
+// Redis is the few commands the client needs, so that the package pins no Redis client:
+// wrap the one the application already has (README.md has the go-redis/v9 adapter; the
+// tests have one for redigo). Implementations must honour ctx's deadline and
+// cancellation, and must be safe for concurrent use.
+type Redis interface {
+	// LPush pushes value onto the list at key (the broker queue).
+	LPush(ctx context.Context, key string, value []byte) error
+	// Eval runs a Lua script (EVAL, or EVALSHA with a fallback). Replies as the client
+	// decodes them: bulk strings as string or []byte, integers as int64, arrays as
+	// []interface{}, nil bulk replies as nil.
+	Eval(ctx context.Context, script string, keys []string, args ...interface{}) (interface{}, error)
+	// ZScan is one ZSCAN step: member and score strings alternating, and the next cursor.
+	ZScan(ctx context.Context, key string, cursor uint64, count int64) ([]string, uint64, error)
+}
+
+// loadScript reads a checkpoint and its session's fence in one round trip (the same
+// script as store/lua/load.lua).
+//
+// KEYS[1] data key; KEYS[2] fence hash. Returns {value or nil, fence seq or nil}.
+const loadScript = `return {redis.call('GET', KEYS[1]), redis.call('HGET', KEYS[2], 'seq')}`
+
+// outcomeScript reads what WaitDurable needs in one round trip (store/lua/outcome.lua).
+//
+// KEYS[1] fence hash; KEYS[2] the request's refusal record.
+// Returns {seq, deleted, req, kind, reason, entry}, nil where absent.
+const outcomeScript = `local f = redis.call('HMGET', KEYS[1], 'seq', 'deleted', 'req')
+local r = redis.call('HMGET', KEYS[2], 'kind', 'reason', 'entry')
+return {f[1], f[2], f[3], r[1], r[2], r[3]}`
+
+// replyList reads an array reply of n elements.
+func replyList(reply interface{}, n int) ([]interface{}, error) {
+	items, ok := reply.([]interface{})
+	if !ok || len(items) != n {
+		return nil, fmt.Errorf("unexpected reply %T (want an array of %d)", reply, n)
+	}
+	return items, nil
+}
+
+// replyBytes reads a bulk string reply; ok is false for nil.
+func replyBytes(v interface{}) (b []byte, ok bool, err error) {
+	switch x := v.(type) {
+	case nil:
+		return nil, false, nil
+	case []byte:
+		return x, true, nil
+	case string:
+		return []byte(x), true, nil
+	default:
+		return nil, false, fmt.Errorf("unexpected reply element %T", v)
+	}
+}
+
+// replyText reads a bulk string reply as text ("" for nil).
+func replyText(v interface{}) (string, error) {
+	b, _, err := replyBytes(v)
+	return string(b), err
+}
+
+// replyInt reads an integer held in a bulk string (a hash field); ok is false for nil.
+func replyInt(v interface{}) (n int64, ok bool, err error) {
+	if i, isInt := v.(int64); isInt {
+		return i, true, nil
+	}
+	b, ok, err := replyBytes(v)
+	if err != nil || !ok {
+		return 0, ok, err
+	}
+	n, err = strconv.ParseInt(string(b), 10, 64)
+	return n, err == nil, err
+}
