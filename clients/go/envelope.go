@@ -52,7 +52,7 @@ func protocolBody(argsJSON []byte, seq int64) []byte {
 
 // buildEnvelope renders one protocol 2 message for task with the given body: the message
 // as Celery's (kombu's) Redis transport stores it, what one LPUSH onto the queue carries.
-// Keys and values follow tasks/fast_publish.py, which writes exactly what send_task
+// Keys and values follow tasks/producer/fast_publish.py, which writes exactly what send_task
 // writes. It is assembled from bytes rather than marshalled: encoding/json would scan the
 // whole base64 body for characters to escape, and base64 has none.
 func buildEnvelope(task, taskID, queue, replyTo, origin, argsRepr, kwargsRepr string, body []byte) ([]byte, error) {
