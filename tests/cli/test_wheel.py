@@ -76,10 +76,8 @@ def _env(bin_dir: Path) -> dict[str, str]:
 
 
 def test_wheel_installs_only_the_checkpointq_namespace(installed: Path) -> None:
-    site = Path(
-        _run(installed / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-        .strip()
-    )
+    where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(_run(installed / "python", "-c", where).strip())
     ours = {p.name for p in site.iterdir() if p.name.lower().startswith("checkpointq")}
     assert "checkpointq" in ours
     assert not any((site / name).exists() for name in ("store", "tasks", "worker"))
@@ -141,7 +139,8 @@ def test_installed_up_save_show_never_import_the_users_modules(
 
     # When a checkpoint is saved and waited for, then shown, from the same directory
     document = {"sessionId": "wheel-demo", "version": 3, "metadata": {"totalTokens": 11}}
-    saved = checkpointq("save", "-", "--wait", "--timeout", str(DEADLINE), input=json.dumps(document))
+    wait = ("--wait", "--timeout", str(DEADLINE))
+    saved = checkpointq("save", "-", *wait, input=json.dumps(document))
     assert saved.returncode == 0, saved.stderr
     shown = checkpointq("show", "wheel-demo", "--json")
     assert shown.returncode == 0, shown.stderr
