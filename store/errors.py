@@ -31,6 +31,10 @@ class CheckpointTooLarge(InvalidInput):
     """Even the newest message alone does not fit the stored-size budget."""
 
 
+class StoreNotConfigured(CheckpointError, ValueError):
+    """No store URL: neither a store URL nor a plain Redis broker URL is configured."""
+
+
 class StoreUnavailable(CheckpointError):
     """The backing store could not be reached or answered with a transient error."""
 

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 from redis import exceptions as redis_errors
@@ -40,13 +40,14 @@ from checkpointq.store.errors import (
     CorruptCheckpoint,
     InvalidCheckpoint,
     InvalidInput,
+    StoreNotConfigured,
     StoreUnavailable,
 )
 from checkpointq.store.keys import DEFAULT_PREFIX, DEFAULT_SHARDS, ClusterKeySpace, KeySpace
 from checkpointq.store.model import Checkpoint
 from checkpointq.store.scripts import Scripts, queue
 from checkpointq.store.serde import deserialize_checkpoint
-from checkpointq.store.urls import redact_url
+from checkpointq.store.urls import redact_url, redis_py_url
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,19 @@ SWEEP_BATCH = 500
 
 #: Index shards read per pipelined round trip when listing or sweeping a cluster layout.
 SHARD_BATCH = 128
+
+
+class StoreSettings(Protocol):
+    """What ``RedisStore.from_settings`` reads (``checkpointq.worker.settings.Settings``)."""
+
+    key_prefix: str
+    store_shards: int
+
+    @property
+    def resolved_store_url(self) -> str | None: ...
+
+    def store_options(self) -> StoreOptions: ...
+
 
 # Errors that say "try again later" rather than "this request is wrong".
 _TRANSIENT = (
@@ -141,9 +155,10 @@ class RedisStore(CheckpointStore):
         shards: int = DEFAULT_SHARDS,
         **client_kwargs: Any,
     ) -> RedisStore:
-        """Connect lazily to ``redis://``, ``rediss://`` (TLS) or ``unix://`` URLs, or to a
-        Redis Cluster given as ``redis+cluster://host:port[,host:port...]`` or with
-        ``?cluster=true`` (see ``checkpointq.store.cluster``; ``shards`` applies to clusters only).
+        """Connect lazily to ``redis://``, ``rediss://`` (TLS) or ``unix://`` URLs (kombu's
+        ``redis+socket://`` spelling too), or to a Redis Cluster given as
+        ``redis+cluster://host:port[,host:port...]`` or with ``?cluster=true`` (see
+        ``checkpointq.store.cluster``; ``shards`` applies to clusters only).
 
         Credentials in the URL are used but never shown: ``repr`` and errors carry a
         redacted form.
@@ -164,8 +179,31 @@ class RedisStore(CheckpointStore):
                 cluster = cluster_client_from_url(url, **common)
             keys = ClusterKeySpace(prefix, shards)
             return cls(cluster, options=options, clock=clock, url=url, keys=keys)
-        client = redis.Redis.from_url(url, **common)
+        client = redis.Redis.from_url(redis_py_url(url), **common)
         return cls(client, prefix=prefix, options=options, clock=clock, url=url)
+
+    @classmethod
+    def from_settings(cls, settings: StoreSettings, *, socket_timeout: float = 5.0) -> RedisStore:
+        """The store a deployment's settings describe: its URL, prefix, options and shards.
+
+        The one factory from settings to a store (worker, producer client and CLI use it).
+
+        Raises:
+            StoreNotConfigured: the settings name no store URL.
+            StoreUnavailable: a cluster URL whose seeds do not answer.
+        """
+        url = settings.resolved_store_url
+        if not url:
+            raise StoreNotConfigured(
+                "no store URL: set CHECKPOINTQ_STORE_URL, or a Redis CHECKPOINTQ_BROKER_URL"
+            )
+        return cls.from_url(
+            url,
+            prefix=settings.key_prefix,
+            options=settings.store_options(),
+            socket_timeout=socket_timeout,
+            shards=settings.store_shards,
+        )
 
     def __repr__(self) -> str:
         shards = f", shards={self.keys.shards}" if isinstance(self.keys, ClusterKeySpace) else ""

@@ -2,7 +2,8 @@
 
 Both sides publish or consume through kombu, and each broker kind needs its own options:
 
-* **Redis** (``redis://``, ``rediss://``, ``unix://``, ``redis+socket://``): a queue is a
+* **Redis** (``redis://``, ``rediss://``, ``unix://``; the scheme sets are in
+  ``checkpointq.store.urls``, with the URL rules): a queue is a
   list; a message fetched but never acknowledged comes back after the visibility timeout,
   which only kombu's Redis transport knows about.
 * **Redis Sentinel** (``sentinel://host:port[;sentinel://host:port...]``): the same Redis
@@ -21,7 +22,8 @@ from __future__ import annotations
 
 from enum import Enum
 from typing import Any
-from urllib.parse import urlsplit
+
+from checkpointq.store.urls import AMQP_SCHEMES, REDIS_SCHEMES, SENTINEL_SCHEMES, scheme_of
 
 
 class BrokerKind(Enum):
@@ -34,38 +36,22 @@ class BrokerKind(Enum):
 
 
 _SCHEMES = {
-    "redis": BrokerKind.REDIS,
-    "rediss": BrokerKind.REDIS,
-    "unix": BrokerKind.REDIS,
-    "redis+socket": BrokerKind.REDIS,
-    "socket": BrokerKind.REDIS,
-    "sentinel": BrokerKind.SENTINEL,
-    "sentinels": BrokerKind.SENTINEL,
-    "amqp": BrokerKind.AMQP,
-    "amqps": BrokerKind.AMQP,
-    "pyamqp": BrokerKind.AMQP,
+    **dict.fromkeys(REDIS_SCHEMES, BrokerKind.REDIS),
+    **dict.fromkeys(SENTINEL_SCHEMES, BrokerKind.SENTINEL),
+    **dict.fromkeys(AMQP_SCHEMES, BrokerKind.AMQP),
 }
-
-
-#: The schemes named in "unsupported broker" errors, in the order a reader looks for them.
-SUPPORTED_SCHEMES = ("redis", "rediss", "unix", "redis+socket", "sentinel", "amqp", "amqps")
-
-
-def broker_scheme(url: str) -> str:
-    """The scheme of ``url`` (of the first of ``;``-separated URLs), lower-cased."""
-    return urlsplit(url.split(";", 1)[0].strip()).scheme.lower()
 
 
 def broker_kind(url: str) -> BrokerKind:
     """The kind of broker ``url`` names (by its scheme; the first of ``;``-separated URLs)."""
-    return _SCHEMES.get(broker_scheme(url), BrokerKind.OTHER)
+    return _SCHEMES.get(scheme_of(url), BrokerKind.OTHER)
 
 
 def is_known_transport(url: str) -> bool:
     """Whether kombu has a transport for ``url``'s scheme (``http://`` has none)."""
     from kombu.transport import TRANSPORT_ALIASES
 
-    scheme = broker_scheme(url)
+    scheme = scheme_of(url)
     return scheme in _SCHEMES or scheme in {alias.lower() for alias in TRANSPORT_ALIASES}
 
 

@@ -14,7 +14,7 @@ from celery import Celery
 
 from checkpointq.store.errors import CheckpointError
 from checkpointq.store.redis import RedisStore
-from checkpointq.store.urls import redact_url
+from checkpointq.store.urls import kombu_url, redact_url
 from checkpointq.tasks import checkpoints, runtime
 from checkpointq.tasks.brokers import transport_options
 from checkpointq.tasks.dead_letters import DeadLetters
@@ -41,7 +41,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             "and sets it for the worker and beat it runs)"
         )
     return {
-        "broker_url": settings.broker_url,
+        # kombu spells a unix socket redis+socket://; everyone else unix:// (store/urls.py).
+        "broker_url": kombu_url(settings.broker_url),
         # JSON only, both ways: a pickle message would run arbitrary code in the worker.
         # Messages in any other format are refused and dead-lettered (worker/consumer.py).
         "accept_content": ["json"],
@@ -113,15 +114,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 
 def build_runtime(settings: Settings) -> Runtime:
     """The store, dead letters and policy the tasks run against (connects lazily)."""
-    url = settings.resolved_store_url
-    if not url:
-        raise MissingBrokerUrl("no store URL: set CHECKPOINTQ_STORE_URL or the broker URL")
-    store = RedisStore.from_url(
-        url,
-        prefix=settings.key_prefix,
-        options=settings.store_options(),
-        shards=settings.store_shards,
-    )
+    store = RedisStore.from_settings(settings)
     # The store's own layout: on a cluster, keys carry hash tags and the index is sharded.
     keys = store.keys
     logger.info("store %s", store)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from checkpointq.store.keys import KeySpace
+from checkpointq.store.urls import redis_py_url
 from checkpointq.tasks.checkpoints import EXPIRE_STALE
 from checkpointq.worker.settings import Settings
 
@@ -39,9 +40,8 @@ def beat_config(settings: Settings) -> dict[str, Any]:
         "beat_scheduler": "redbeat.RedBeatScheduler",
         # Schedule and lock on a plain Redis: the store's, else (a cluster store, which
         # RedBeat's pipelines cannot span) the broker's, else CHECKPOINTQ_BEAT_URL
-        # (Settings.resolved_beat_url). Not the broker URL as given: it may be a kombu-only
-        # spelling (redis+socket://) that redis-py, which RedBeat uses, does not understand.
-        "redbeat_redis_url": settings.resolved_beat_url,
+        # (Settings.resolved_beat_url), as redis-py (which RedBeat uses) spells it.
+        "redbeat_redis_url": redis_py_url(settings.resolved_beat_url or ""),
         "redbeat_redis_options": {},
         "redbeat_key_prefix": KeySpace(settings.key_prefix).beat_prefix(),
         "redbeat_lock_timeout": int(tick * 6),

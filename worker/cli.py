@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -27,7 +26,7 @@ from redis.exceptions import RedisClusterException
 from checkpointq.store.errors import CheckpointError
 from checkpointq.store.model import Checkpoint
 from checkpointq.store.serde import checkpoint_from_wire, checkpoint_to_wire, loads_json
-from checkpointq.store.urls import redact_url
+from checkpointq.store.urls import redact_url, redact_urls
 from checkpointq.tasks.dead_letters import DeadLetters
 from checkpointq.tasks.errors import NotFound, NotReplayable
 from checkpointq.tasks.producer.client import CheckpointClient, Handle
@@ -44,14 +43,6 @@ SWEEP_BATCH = 1000
 #: Dead letters fetched per page when replaying everything.
 DLQ_PAGE = 500
 
-#: Any scheme: sentinel://, redis+cluster://, pyamqp:// URLs hold passwords as well.
-_URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]+")
-
-
-def scrub(message: str) -> str:
-    """Redact the password of every URL in ``message`` (error texts may quote URLs)."""
-    return _URL.sub(lambda match: redact_url(match.group(0)), message)
-
 
 class CliFailure(click.ClickException):
     """An expected failure, shown as ``checkpointq: error: ...`` on one line."""
@@ -59,7 +50,7 @@ class CliFailure(click.ClickException):
     exit_code = EXIT_FAILURE
 
     def show(self, file: IO[Any] | None = None) -> None:
-        line = " ".join(scrub(self.format_message()).split())
+        line = " ".join(redact_urls(self.format_message()).split())
         click.echo(f"checkpointq: error: {line}", err=True)
 
 
@@ -153,6 +144,9 @@ def up() -> None:
     from checkpointq.worker.supervisor import Supervisor  # the embedded Redis etc. only when run
 
     settings = _settings(resolve=False)
+    if settings.found_embedded:
+        # Another `up` serves this directory: starting ours fails with that message.
+        settings = settings.model_copy(update={"broker_url": None})
     _configure_logging(settings)
     where = (
         redact_url(settings.broker_url)

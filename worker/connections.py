@@ -15,6 +15,7 @@ from checkpointq.store.cluster import cluster_client_from_url, is_cluster_url
 from checkpointq.store.errors import CheckpointError
 from checkpointq.store.keys import ClusterKeySpace, KeySpace
 from checkpointq.store.redis import RedisStore
+from checkpointq.store.urls import redis_py_url
 from checkpointq.worker.embedded import EmbeddedRedis
 from checkpointq.worker.settings import Settings
 
@@ -48,42 +49,23 @@ def load_settings() -> Settings:
 
 
 def with_embedded(settings: Settings, embedded: EmbeddedRedis) -> Settings:
-    """``settings`` pointed at an embedded server (the store URL only if it was unset)."""
-    endpoint = embedded.endpoint
-    return settings.model_copy(
-        update={
-            "broker_url": endpoint.broker_url,
-            "store_url": settings.store_url or endpoint.store_url,
-        }
-    )
+    """``settings`` pointed at an embedded server (broker, and store if it was unset)."""
+    return settings.model_copy(update={"broker_url": embedded.endpoint.url})
 
 
 def resolve(settings: Settings) -> Settings:
-    """The settings with a broker URL: the configured one, else the embedded server's.
+    """The settings with a broker URL: the configured one, or (found by ``Settings()``
+    itself) the embedded server's.
 
     Raises:
         NotConfigured: no URL and no ``checkpointq up`` running under ``data_dir``.
     """
-    if settings.broker_url is not None:
-        if settings.store_url is None and redis_py_url(settings.broker_url) != settings.broker_url:
-            # A kombu-only spelling (redis+socket://): give redis-py (store, RedBeat) its own.
-            return settings.model_copy(update={"store_url": redis_py_url(settings.broker_url)})
-        return settings
-    embedded = EmbeddedRedis(settings.data_dir)
-    if embedded.running() is None:
+    if settings.broker_url is None:
         raise NotConfigured(
             "no broker configured: set CHECKPOINTQ_BROKER_URL, or start `checkpointq up` "
-            f"in this directory (no embedded Redis is running under {embedded.data_dir})"
+            f"in this directory (no embedded Redis is running under {settings.data_dir.resolve()})"
         )
-    return with_embedded(settings, embedded)
-
-
-def redis_py_url(url: str) -> str:
-    """The same server as redis-py spells it (kombu's ``redis+socket://`` is ``unix://``)."""
-    for prefix in ("redis+socket://", "socket://"):
-        if url.startswith(prefix):
-            return "unix://" + url.removeprefix(prefix)
-    return url
+    return settings
 
 
 def _required(url: str | None) -> str:
@@ -103,13 +85,7 @@ def store_client(settings: Settings, timeout: float = CLI_SOCKET_TIMEOUT) -> Any
 
 def open_store(settings: Settings) -> RedisStore:
     """The checkpoint store the workers write, for reading it directly."""
-    return RedisStore.from_url(
-        redis_py_url(_required(settings.resolved_store_url)),
-        prefix=settings.key_prefix,
-        options=settings.store_options(),
-        socket_timeout=CLI_SOCKET_TIMEOUT,
-        shards=settings.store_shards,
-    )
+    return RedisStore.from_settings(settings, socket_timeout=CLI_SOCKET_TIMEOUT)
 
 
 def key_space(settings: Settings) -> KeySpace:

@@ -46,6 +46,7 @@ from typing import IO
 import redis
 
 from checkpointq.store.errors import CheckpointError
+from checkpointq.store.urls import unix_socket_url
 from checkpointq.worker.processes import spawn, stop
 
 logger = logging.getLogger(__name__)
@@ -83,19 +84,15 @@ def find_redis_server() -> str:
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
-    """How to reach an embedded server, in the two URL dialects our libraries speak."""
+    """How to reach an embedded server."""
 
     socket: Path
 
     @property
-    def broker_url(self) -> str:
-        """For Celery/kombu, which knows unix sockets only as ``redis+socket://``."""
-        return f"redis+socket://{self.socket}"
-
-    @property
-    def store_url(self) -> str:
-        """For redis-py (the store), which spells them ``unix://``."""
-        return f"unix://{self.socket}"
+    def url(self) -> str:
+        """``unix:///…/redis.sock``: the one spelling every component (and redis-py,
+        go-redis, node-redis) accepts; the worker hands kombu its own (``store/urls.py``)."""
+        return unix_socket_url(str(self.socket))
 
 
 @dataclass

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from datetime import UTC, datetime
 from typing import Any, Literal
 
 from celery import signals
 from celery._state import get_current_task
 
-from checkpointq.store.urls import redact_url
+from checkpointq.store.urls import redact_urls
 
 #: Attributes callers may attach with ``extra=`` that the JSON format shows as fields.
 STRUCTURED_FIELDS = (
@@ -38,17 +37,8 @@ STRUCTURED_FIELDS = (
     "expired",
 )
 
-_URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]+")
-
 LogFormat = Literal["text", "json"]
 _format: LogFormat = "text"
-
-
-def redact(text: str) -> str:
-    """``text`` with the password of every URL in it replaced."""
-    if "://" not in text:
-        return text
-    return _URL.sub(lambda match: redact_url(match.group(0)), text)
 
 
 class RedactingFormatter(logging.Formatter):
@@ -59,7 +49,7 @@ class RedactingFormatter(logging.Formatter):
         self.inner = inner
 
     def format(self, record: logging.LogRecord) -> str:
-        return redact(self.inner.format(record))
+        return redact_urls(self.inner.format(record))
 
 
 class JsonFormatter(logging.Formatter):
@@ -71,7 +61,7 @@ class JsonFormatter(logging.Formatter):
             "level": record.levelname,
             "logger": record.name,
             "process": record.process,
-            "message": redact(record.getMessage()),
+            "message": redact_urls(record.getMessage()),
         }
         task = get_current_task()
         if task is not None and task.request.id is not None:
@@ -82,7 +72,7 @@ class JsonFormatter(logging.Formatter):
             if value is not None:
                 line[name] = value
         if record.exc_info:
-            line["exc"] = redact(self.formatException(record.exc_info))
+            line["exc"] = redact_urls(self.formatException(record.exc_info))
         return json.dumps(line, ensure_ascii=False, default=str)
 
 

@@ -9,20 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from checkpointq.store.base import StoreOptions
 from checkpointq.store.cluster import is_cluster_url
 from checkpointq.store.keys import DEFAULT_PREFIX, DEFAULT_SHARDS
-from checkpointq.store.urls import redact_url
-from checkpointq.tasks.brokers import (
-    SUPPORTED_SCHEMES,
-    BrokerKind,
-    broker_kind,
-    broker_scheme,
-    is_known_transport,
-)
+from checkpointq.store.urls import SUPPORTED_BROKER_SCHEMES, redact_url, scheme_of
+from checkpointq.tasks.brokers import BrokerKind, broker_kind, is_known_transport
+from checkpointq.worker.embedded import EmbeddedRedis
 
 DAY = 24 * 60 * 60
 
@@ -33,8 +28,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CHECKPOINTQ_", env_file=".env", extra="ignore")
 
     # -- where things live ------------------------------------------------------------
-    #: Celery broker URL (redis://, rediss://, unix://). Unset: `checkpointq up` starts an
-    #: embedded Redis under ``data_dir`` and every command finds it there.
+    #: Celery broker URL (redis://, rediss://, unix:///path/redis.sock). Unset: `checkpointq
+    #: up` starts an embedded Redis under ``data_dir``, and ``Settings()`` anywhere (every
+    #: command, a Python producer) finds it there while it runs.
     broker_url: str | None = None
     #: Store Redis URL: ``redis://``, ``rediss://``, ``unix://``, or a Redis Cluster
     #: (``redis+cluster://host:port[,host:port...]`` or ``...?cluster=true``). Unset: the
@@ -131,6 +127,24 @@ class Settings(BaseSettings):
     #: a heartbeat lives three times this long.
     heartbeat_seconds: float = Field(default=5.0, gt=0)
 
+    _embedded: bool = PrivateAttr(default=False)
+
+    @model_validator(mode="after")
+    def _find_embedded(self) -> Settings:
+        # Defined first, so the checks below see the URL found.
+        if self.broker_url is None:
+            endpoint = EmbeddedRedis(self.data_dir).running()
+            if endpoint is not None:
+                self.broker_url = endpoint.url
+                self._embedded = True
+        return self
+
+    @property
+    def found_embedded(self) -> bool:
+        """Whether ``broker_url`` is that of a running ``checkpointq up``'s embedded Redis
+        (none was configured)."""
+        return self._embedded
+
     @model_validator(mode="after")
     def _delivery_fits(self) -> Settings:
         if self.retry_backoff_max_seconds >= self.visibility_timeout:
@@ -145,9 +159,9 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _brokers_fit(self) -> Settings:
         if self.broker_url and not is_known_transport(self.broker_url):
-            accepted = ", ".join(f"{scheme}://" for scheme in SUPPORTED_SCHEMES)
+            accepted = ", ".join(f"{scheme}://" for scheme in SUPPORTED_BROKER_SCHEMES)
             raise ValueError(
-                f"unsupported broker URL scheme {broker_scheme(self.broker_url)!r}: "
+                f"unsupported broker URL scheme {scheme_of(self.broker_url)!r}: "
                 f"use one of {accepted}"
             )
         kind = broker_kind(self.broker_url) if self.broker_url else BrokerKind.REDIS

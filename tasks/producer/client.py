@@ -30,7 +30,7 @@ from checkpointq.store.errors import InvalidInput
 from checkpointq.store.model import Checkpoint, validate_session_id
 from checkpointq.store.redis import RedisStore
 from checkpointq.store.serde import checkpoint_from_wire, dumps_go, serialize_checkpoint
-from checkpointq.store.urls import redact_url
+from checkpointq.store.urls import kombu_url, redact_url
 from checkpointq.tasks import brokers
 from checkpointq.tasks.errors import BrokerUnavailable
 from checkpointq.tasks.producer import fast_publish
@@ -141,7 +141,7 @@ class CheckpointClient:
 
     def _celery_app(self) -> Celery:
         """A private app used only to publish: JSON, protocol 2, no result backend."""
-        app = Celery("checkpointq-client", broker=self._broker_url, set_as_current=False)
+        app = Celery("checkpointq-client", broker=kombu_url(self._broker_url), set_as_current=False)
         app.conf.update(
             task_serializer="json",
             accept_content=["json"],
@@ -163,14 +163,11 @@ class CheckpointClient:
             ValueError: no broker URL (resolve the embedded one first, as the CLI does).
         """
         if not settings.broker_url:
-            raise ValueError("no broker URL: set CHECKPOINTQ_BROKER_URL")
-        store_url = settings.resolved_store_url or settings.broker_url
-        store = RedisStore.from_url(
-            store_url,
-            prefix=settings.key_prefix,
-            options=settings.store_options(),
-            shards=settings.store_shards,
-        )
+            raise ValueError(
+                "no broker URL: set CHECKPOINTQ_BROKER_URL, or run `checkpointq up` in this "
+                "directory (Settings() finds its embedded Redis)"
+            )
+        store = RedisStore.from_settings(settings)
         return cls(
             settings.broker_url,
             store,

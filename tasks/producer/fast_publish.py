@@ -35,11 +35,8 @@ from redis import exceptions as redis_errors
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from checkpointq.store.urls import redact_url
+from checkpointq.store.urls import is_redis_url, redact_url, redis_py_url
 from checkpointq.tasks.errors import BrokerUnavailable
-
-#: URL schemes kombu's Redis transport serves (kombu spells unix sockets ``redis+socket``).
-REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+socket://", "socket://")
 
 #: The ``embed`` part of a protocol 2 body, as ``send_task`` writes it for a plain call.
 EMBED = b'{"callbacks":null,"errbacks":null,"chain":null,"chord":null}'
@@ -49,15 +46,7 @@ _RETRYABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError)
 
 def supports(broker_url: str) -> bool:
     """Whether ``broker_url`` names a plain Redis broker this module can publish to."""
-    return broker_url.startswith(REDIS_SCHEMES)
-
-
-def redis_py_url(url: str) -> str:
-    """The broker URL as redis-py spells it (kombu's ``redis+socket://`` is ``unix://``)."""
-    for prefix in ("redis+socket://", "socket://"):
-        if url.startswith(prefix):
-            return "unix://" + url.removeprefix(prefix)
-    return url
+    return is_redis_url(broker_url)
 
 
 def body(args_json: bytes, kwargs_json: bytes) -> bytes:

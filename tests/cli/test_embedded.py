@@ -11,7 +11,12 @@ from pathlib import Path
 import pytest
 import redis
 
+from checkpointq.store import RedisStore
+from checkpointq.tasks.producer.client import CheckpointClient
+from checkpointq.worker.app import celery_config
 from checkpointq.worker.embedded import EmbeddedRedis, EmbeddedRedisError, pid_of
+from checkpointq.worker.settings import Settings
+from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import wait_until
 
 
@@ -31,7 +36,7 @@ def embedded(tmp_path: Path) -> EmbeddedRedis:
 
 def test_it_serves_a_unix_socket_only_with_aof_and_noeviction(embedded: EmbeddedRedis) -> None:
     with embedded.serving() as endpoint:
-        client = redis.Redis.from_url(endpoint.store_url, decode_responses=True)
+        client = redis.Redis.from_url(endpoint.url, decode_responses=True)
         config = client.config_get("*")
         client.close()
 
@@ -39,7 +44,7 @@ def test_it_serves_a_unix_socket_only_with_aof_and_noeviction(embedded: Embedded
     assert config["appendonly"] == "yes"
     assert config["appendfsync"] == "everysec"
     assert config["maxmemory-policy"] == "noeviction"
-    assert endpoint.broker_url == f"redis+socket://{embedded.socket}"
+    assert endpoint.url == f"unix://{embedded.socket}"
 
 
 def test_stopping_removes_the_socket_and_the_data_survives_a_restart(
@@ -49,7 +54,7 @@ def test_stopping_removes_the_socket_and_the_data_survives_a_restart(
     with embedded.serving() as endpoint:
         server_pid = embedded.pid
         assert server_pid is not None
-        client = redis.Redis.from_url(endpoint.store_url)
+        client = redis.Redis.from_url(endpoint.url)
         client.set("kept", "yes")
         client.close()
 
@@ -59,7 +64,7 @@ def test_stopping_removes_the_socket_and_the_data_survives_a_restart(
 
     # And the AOF brings the key back on the next start
     with embedded.serving() as endpoint:
-        client = redis.Redis.from_url(endpoint.store_url)
+        client = redis.Redis.from_url(endpoint.url)
         assert client.get("kept") == b"yes"
         client.close()
 
@@ -94,7 +99,7 @@ def test_a_stale_socket_and_pid_file_from_a_killed_run_are_cleared(
 
     # When started, it serves anyway
     with embedded.serving() as endpoint:
-        client = redis.Redis.from_url(endpoint.store_url)
+        client = redis.Redis.from_url(endpoint.url)
         assert client.ping()
         client.close()
         assert pid_of(embedded.data_dir) == embedded.pid
@@ -131,3 +136,31 @@ def test_a_data_dir_too_deep_for_a_unix_socket_is_refused_with_advice(tmp_path: 
     deep = EmbeddedRedis(tmp_path / ("d" * 120))
     with pytest.raises(EmbeddedRedisError, match="CHECKPOINTQ_DATA_DIR"):
         deep.start()
+
+
+def test_settings_find_a_running_embedded_redis_and_its_url_serves_store_and_broker(
+    embedded: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given no broker URL configured, and the data dir of a running `up`
+    monkeypatch.delenv("CHECKPOINTQ_BROKER_URL", raising=False)
+    monkeypatch.setenv("CHECKPOINTQ_DATA_DIR", str(embedded.data_dir))
+    assert Settings().broker_url is None
+
+    with embedded.serving() as endpoint:
+        # When settings are read, as a Python producer reads them
+        settings = Settings()
+
+        # Then they name the embedded server, in the one spelling every component takes
+        assert settings.broker_url == f"unix://{embedded.socket}" == endpoint.url
+        assert settings.found_embedded
+        store = RedisStore.from_settings(settings)
+        store.save(make_checkpoint("found"))
+        assert store.load("found") is not None
+        store.close()
+        with CheckpointClient.from_settings(settings) as client:
+            handle = client.save(make_checkpoint("queued"))
+        assert handle.session_id == "queued"
+        assert celery_config(settings)["broker_url"] == f"redis+socket://{embedded.socket}"
+
+    # And once it stops, nothing is found again
+    assert Settings().broker_url is None

@@ -12,6 +12,7 @@ import redis
 
 from checkpointq.store import InMemoryStore
 from checkpointq.store.serde import checkpoint_to_wire
+from checkpointq.store.urls import redis_py_url
 from checkpointq.tasks.errors import BrokerUnavailable
 from checkpointq.tasks.producer import fast_publish
 from checkpointq.tasks.producer.client import SAVE, CheckpointClient
@@ -153,7 +154,7 @@ def test_only_plain_redis_brokers_take_the_fast_path() -> None:
     assert fast_publish.supports("redis+socket:///tmp/redis.sock")
     assert not fast_publish.supports("amqp://guest@localhost//")
     assert not fast_publish.supports("sentinel://localhost:26379")
-    assert fast_publish.redis_py_url("redis+socket:///tmp/r.sock") == "unix:///tmp/r.sock"
+    assert redis_py_url("redis+socket:///tmp/r.sock") == "unix:///tmp/r.sock"
 
 
 def test_other_brokers_publish_through_celery() -> None:

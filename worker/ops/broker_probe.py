@@ -42,10 +42,9 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel
 
-from checkpointq.store.urls import redact_url
+from checkpointq.store.urls import redact_url, redis_py_url
 from checkpointq.tasks.brokers import BrokerKind, broker_kind
 from checkpointq.tasks.errors import BrokerUnavailable
-from checkpointq.worker.connections import redis_py_url
 from checkpointq.worker.settings import Settings
 
 #: Seconds a probe may take to connect and to get each answer.

@@ -31,7 +31,7 @@ from redbeat.schedulers import RedBeatConfig, RedBeatSchedulerEntry
 from redis.exceptions import RedisClusterException
 
 from checkpointq.store.keys import KeySpace
-from checkpointq.store.urls import redact_url
+from checkpointq.store.urls import redact_url, redis_py_url
 from checkpointq.tasks.errors import BrokerUnavailable
 from checkpointq.worker import connections
 from checkpointq.worker.beat import SWEEP_ENTRY, beat_config
@@ -233,7 +233,7 @@ def _text(value: bytes | str) -> str:
 
 def _client(url: str) -> Any:
     return redis.Redis.from_url(
-        connections.redis_py_url(url),
+        redis_py_url(url),
         socket_timeout=CHECK_TIMEOUT,
         socket_connect_timeout=CHECK_TIMEOUT,
     )

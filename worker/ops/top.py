@@ -31,10 +31,9 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from checkpointq.store.urls import redact_url
+from checkpointq.store.urls import redact_url, redact_urls
 from checkpointq.tasks.errors import BrokerUnavailable
 from checkpointq.worker import connections
-from checkpointq.worker.logs import redact
 from checkpointq.worker.ops import broker_probe, health
 from checkpointq.worker.settings import Settings
 
@@ -323,9 +322,9 @@ def run(settings: Settings, *, interval: float = 1.0, once: bool = False) -> Non
             last = collect(settings)
             throughput.update(last.workers)
         except BrokerUnavailable as exc:
-            error = f"broker {redact(str(exc))}"
+            error = f"broker {redact_urls(str(exc))}"
         except (redis.RedisError, RedisClusterException) as exc:
-            error = f"store unreachable: {type(exc).__name__}: {redact(str(exc))}"
+            error = f"store unreachable: {type(exc).__name__}: {redact_urls(str(exc))}"
         if last is None:
             return Text(f"checkpointq top: {error}", style="bold red")
         return render(last, throughput, settings, error)
