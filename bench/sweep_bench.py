@@ -113,8 +113,12 @@ class _Population:
             pipe = self.client.pipeline(transaction=False)
             for session_id in batch:
                 fence = keys.fence(session_id)
-                pipe.set(keys.data(session_id), self.value, px=ttl_ms)
-                pipe.hset(fence, mapping={"seq": seq, "deleted": "0", "deadline": deadline})
+                # PXAT: the value's expiry is then exactly the 'expires' save.lua records.
+                pipe.set(keys.data(session_id), self.value, pxat=deadline)
+                pipe.hset(
+                    fence,
+                    mapping={"seq": seq, "deleted": "0", "deadline": deadline, "expires": deadline},
+                )
                 pipe.pexpire(fence, ttl_ms + self.fence_extra_ms)
             pipe.zadd(index, dict.fromkeys(batch, deadline))
             pipe.execute()

@@ -14,7 +14,8 @@ if redis.call('PEXPIRE', KEYS[1], ARGV[1]) == 0 then
   redis.call('ZREM', KEYS[3], ARGV[4])
   return 0
 end
-redis.call('HSET', KEYS[2], 'deadline', ARGV[2])
+-- 'expires' as in save.lua: the value's expiry now carries our deadline, whoever wrote it.
+redis.call('HSET', KEYS[2], 'deadline', ARGV[2], 'expires', redis.call('PEXPIRETIME', KEYS[1]))
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 redis.call('ZADD', KEYS[3], ARGV[2], ARGV[4])
 return 1

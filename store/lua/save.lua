@@ -22,4 +22,8 @@ redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 redis.call('HSET', KEYS[2], 'seq', ARGV[1], 'deleted', '0', 'deadline', ARGV[4])
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
 redis.call('ZADD', KEYS[3], ARGV[4], ARGV[6])
+-- Fence field 'expires': the value's own expiry as Redis keeps it (PEXPIRETIME, absolute ms).
+-- The sweep deletes the value only while it still carries this expiry, i.e. while no other
+-- writer (Go's SET EX) has replaced it since.
+redis.call('HSET', KEYS[2], 'expires', redis.call('PEXPIRETIME', KEYS[1]))
 return 1

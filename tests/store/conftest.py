@@ -61,12 +61,14 @@ class StoreEnv:
             time.sleep(min(0.05, max(0.0, target - time.time())))
 
     def corrupt(self, store: CheckpointStore, session_id: str, value: bytes) -> None:
-        """Overwrite a session's stored bytes behind the store's back."""
+        """Overwrite a session's stored bytes behind the store's back, in place: the value
+        keeps its expiry, so the store still takes it for the value it wrote (a write with
+        a new TTL is another writer's, which the sweep leaves alone: test_mixed_writers)."""
         if isinstance(store, InMemoryStore):
             store.inject_raw(session_id, value)
         else:
             assert isinstance(store, RedisStore)
-            store.client.set(store.keys.data(session_id), value, px=60_000)
+            store.client.set(store.keys.data(session_id), value, keepttl=True)
 
 
 @pytest.fixture(params=BACKENDS)
