@@ -4,6 +4,13 @@ Field order is the Go struct's, empty fields are omitted where the Go tags say
 ``omitempty``, and ``<``, ``>``, ``&``, U+2028 and U+2029 are escaped as Go escapes them, so a
 document written here is the document Go would have written. Unknown fields follow the known
 ones in the order they arrived.
+
+Reading follows Go's ``encoding/json`` too: a key names a field when it equals the field's
+name up to case (``bytes.EqualFold``), so ``VERSION`` is the version, never an unknown field
+that Go would read while we did not. A document in which two keys name the same field
+(``version`` and ``VERSION``, or one key twice) is refused: Go keeps the last for a scalar but
+merges repeated objects and lists in place, and a JSON parser has already dropped the earlier
+of two equal keys before we see them, so refusing is the only answer both sides agree on.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import math
 from typing import Any
 
 import orjson
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from checkpointq.store.errors import InvalidCheckpoint
 from checkpointq.store.model import (
@@ -22,6 +29,109 @@ from checkpointq.store.model import (
     ConversationMessage,
     format_rfc3339,
 )
+
+# Go matches a JSON key to a struct field with bytes.EqualFold: ASCII letters in either case,
+# and the only two other letters whose Unicode simple-fold orbits hold an ASCII letter,
+# KELVIN SIGN (with k) and LONG S (with s). Dotted and dotless i fold only with themselves.
+_GO_FOLD = str.maketrans(
+    {**{chr(c): chr(c + 32) for c in range(ord("A"), ord("Z") + 1)}, "\u212a": "k", "\u017f": "s"}
+)
+
+
+class _WireNames:
+    """The JSON names of one Go struct's fields, exact and folded."""
+
+    __slots__ = ("exact", "folded", "where")
+
+    def __init__(self, model: type[BaseModel], where: str) -> None:
+        names = [field.alias or name for name, field in model.model_fields.items()]
+        self.exact = frozenset(names)
+        self.folded = {name.translate(_GO_FOLD): name for name in names}
+        self.where = where
+
+    def field(self, key: str) -> str | None:
+        """The field Go decodes ``key`` into, if any."""
+        return key if key in self.exact else self.folded.get(key.translate(_GO_FOLD))
+
+
+_CHECKPOINT_NAMES = _WireNames(Checkpoint, "checkpoint")
+_MESSAGE_NAMES = _WireNames(ConversationMessage, "conversationHistory[{}]")
+_METADATA_NAMES = _WireNames(CheckpointMetadata, "metadata")
+
+
+class _RepeatedKeys(dict[str, Any]):
+    """A decoded JSON object in which some key occurred more than once (last value kept)."""
+
+    __slots__ = ("repeated",)
+
+    def __init__(self, pairs: list[tuple[str, Any]], repeated: set[str]) -> None:
+        super().__init__(pairs)
+        self.repeated = repeated
+
+
+def _object_from_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) == len(pairs):
+        return obj
+    seen: set[str] = set()
+    repeated: set[str] = set()
+    for key, _ in pairs:
+        (repeated if key in seen else seen).add(key)
+    return _RepeatedKeys(pairs, repeated)
+
+
+def _go_field_names(obj: dict[str, Any], names: _WireNames, index: int = 0) -> dict[str, Any]:
+    """``obj`` with every key that Go decodes into a field renamed to that field's name.
+
+    Returns ``obj`` itself when nothing needs renaming.
+
+    Raises:
+        InvalidCheckpoint: two keys (or one key twice) name the same field.
+    """
+    repeated = obj.repeated if isinstance(obj, _RepeatedKeys) else None
+    if repeated is None and names.exact.issuperset(obj):
+        return obj
+    out: dict[str, Any] = {}
+    seen: dict[str, str] = {}
+    for key, value in obj.items():
+        field = names.field(key)
+        if field is None:
+            out[key] = value
+            continue
+        earlier = seen.get(field)
+        if earlier is not None or (repeated and key in repeated):
+            what = f"keys {earlier!r} and {key!r} both" if earlier else f"key {key!r} twice"
+            raise InvalidCheckpoint(
+                f"{names.where.format(index)}: {what} name the field {field!r}; Go matches "
+                "keys to fields ignoring case and keeps only the last, so the document is "
+                "refused as ambiguous"
+            )
+        seen[field] = key
+        out[field] = value
+    return out
+
+
+def _with_go_field_names(value: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint object with Go's key-to-field matching applied at every level."""
+    top = _go_field_names(value, _CHECKPOINT_NAMES)
+    metadata = top.get("metadata")
+    if isinstance(metadata, dict):
+        renamed = _go_field_names(metadata, _METADATA_NAMES)
+        if renamed is not metadata:
+            top = {**top, "metadata": renamed}
+    history = top.get("conversationHistory")
+    if isinstance(history, list):
+        messages: list[Any] | None = None
+        for i, message in enumerate(history):
+            if isinstance(message, dict):
+                renamed = _go_field_names(message, _MESSAGE_NAMES, i)
+                if renamed is not message:
+                    messages = messages or list(history)
+                    messages[i] = renamed
+        if messages is not None:
+            top = {**top, "conversationHistory": messages}
+    return top
+
 
 # Go escapes these inside strings (HTML safety and JavaScript line terminators). None of
 # them can occur in JSON outside a string, so replacing them in the encoded bytes is exact.
@@ -61,29 +171,50 @@ def _metadata_to_wire(meta: CheckpointMetadata) -> dict[str, Any]:
     if meta.last_message_time is not None:
         out["lastMessageTime"] = format_rfc3339(meta.last_message_time)
     if meta.__pydantic_extra__:
-        out.update(meta.__pydantic_extra__)
+        out.update(_unknown_fields(meta.__pydantic_extra__, _METADATA_NAMES))
     return out
 
 
-def _message_to_wire(message: ConversationMessage) -> dict[str, Any]:
+def _message_to_wire(message: ConversationMessage, index: int) -> dict[str, Any]:
     out: dict[str, Any] = {"role": message.role, "content": message.content}
     if message.trace_entries:
         out["traceEntries"] = message.trace_entries
     if message.__pydantic_extra__:
-        out.update(message.__pydantic_extra__)
+        out.update(_unknown_fields(message.__pydantic_extra__, _MESSAGE_NAMES, index))
     return out
+
+
+def _unknown_fields(extra: dict[str, Any], names: _WireNames, index: int = 0) -> dict[str, Any]:
+    """``extra``, unless one of its keys is one Go would decode into a known field.
+
+    Only a checkpoint built in Python can hold one (``Checkpoint(..., VERSION=7)``): decoding
+    renames such keys to the field.
+
+    Raises:
+        InvalidCheckpoint: an unknown field's name is a case variant of a known one.
+    """
+    for key in extra:
+        field = names.field(key)
+        if field is not None:
+            raise InvalidCheckpoint(
+                f"{names.where.format(index)}: unknown field {key!r} would be read by Go as "
+                f"the field {field!r}"
+            )
+    return extra
 
 
 def checkpoint_to_wire(cp: Checkpoint) -> dict[str, Any]:
     """The checkpoint as the JSON object Go would marshal, as plain Python data."""
     out: dict[str, Any] = {"sessionId": cp.session_id, "version": cp.version}
     if cp.conversation_history:
-        out["conversationHistory"] = [_message_to_wire(m) for m in cp.conversation_history]
+        out["conversationHistory"] = [
+            _message_to_wire(m, i) for i, m in enumerate(cp.conversation_history)
+        ]
     out["metadata"] = _metadata_to_wire(cp.metadata)
     if cp.last_run_ref:
         out["lastRunRef"] = cp.last_run_ref
     if cp.__pydantic_extra__:
-        out.update(cp.__pydantic_extra__)
+        out.update(_unknown_fields(cp.__pydantic_extra__, _CHECKPOINT_NAMES))
     return out
 
 
@@ -112,15 +243,45 @@ def dumps_go(value: Any) -> bytes:
     return data
 
 
+def _loads_pairs(raw: bytes) -> Any:
+    """Decode with the stdlib parser, exact for long integers, marking repeated keys."""
+    return json.loads(raw, parse_constant=_reject_constant, object_pairs_hook=_object_from_pairs)
+
+
 def loads_json(data: bytes | str) -> Any:
     """Decode strict JSON (no NaN or Infinity, valid UTF-8), as Go's decoder would accept it."""
     raw = data.encode() if isinstance(data, str) else data
     try:
         if _has_long_digit_run(raw):
-            return json.loads(raw, parse_constant=_reject_constant)
+            return _loads_pairs(raw)
         return orjson.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:  # orjson.JSONDecodeError is a ValueError
         raise InvalidCheckpoint(f"not valid JSON ({exc})") from None
+
+
+def _loads_document(data: bytes | str) -> Any:
+    """Decode a stored document, seeing keys that occur twice (as Go's decoder does).
+
+    A fast parser keeps only the last of two equal keys, silently. Documents Go or this
+    module wrote are canonical (re-encoding the parsed value gives the same bytes, ~8% of a
+    load's time), and a canonical document cannot repeat a key; anything else is parsed
+    again, slower, by a parser that marks repeated keys.
+    """
+    raw = data.encode() if isinstance(data, str) else data
+    value = loads_json(raw)
+    if _is_canonical(value, raw):
+        return value
+    try:
+        return _loads_pairs(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidCheckpoint(f"not valid JSON ({exc})") from None
+
+
+def _is_canonical(value: Any, raw: bytes) -> bool:
+    try:
+        return dumps_go(value) == raw
+    except InvalidCheckpoint:
+        return False  # not encodable as it stands (a lone surrogate): not canonical either
 
 
 def _describe(error: ValidationError) -> str:
@@ -143,6 +304,7 @@ def checkpoint_from_wire(value: Any) -> Checkpoint:
     """
     if not isinstance(value, dict):
         raise InvalidCheckpoint(f"must be a JSON object, got {type(value).__name__}")
+    value = _with_go_field_names(value)
     try:
         cp = Checkpoint.model_validate(value, by_alias=True, by_name=False)
     except ValidationError as exc:
@@ -181,4 +343,4 @@ def deserialize_checkpoint(data: bytes | str) -> Checkpoint:
     Raises:
         InvalidCheckpoint: the bytes are not JSON or not a valid checkpoint.
     """
-    return checkpoint_from_wire(loads_json(data))
+    return checkpoint_from_wire(_loads_document(data))
