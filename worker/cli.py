@@ -144,6 +144,7 @@ def up() -> None:
     from checkpointq.worker.supervisor import Supervisor  # the embedded Redis etc. only when run
 
     settings = _settings(resolve=False)
+    embedded = settings.broker_url is None or settings.found_embedded
     if settings.found_embedded:
         # Another `up` serves this directory: starting ours fails with that message.
         settings = settings.model_copy(update={"broker_url": None})
@@ -153,9 +154,29 @@ def up() -> None:
         if settings.broker_url
         else f"embedded Redis under {settings.data_dir.resolve()}"
     )
-    click.echo(f"checkpointq up: broker {where}; Ctrl-C to stop", err=True)
-    Supervisor(settings).run()
+    click.echo(f"checkpointq up: starting; broker {where}", err=True)
+    Supervisor(settings, on_ready=lambda running: _ready_block(running, embedded)).run()
     click.echo("checkpointq up: stopped", err=True)
+
+
+def _ready_block(settings: Settings, embedded: bool) -> None:
+    """What ``up`` prints once its worker consumes: where it is and how to reach it."""
+    url = redact_url(settings.broker_url or "")
+    data = f"{settings.data_dir.resolve()} (embedded Redis, AOF)" if embedded else "-"
+    lines = [
+        "",
+        "checkpointq is ready: a worker consumes queue "
+        f"{settings.queue!r} and beat sweeps every {settings.sweep_interval_seconds:g} s",
+        f"  data dir      {data}",
+        f"  broker+store  {url}",
+        "  other shells  from this directory: source .venv/bin/activate; checkpointq show ID",
+        f"                elsewhere: export CHECKPOINTQ_BROKER_URL={url}",
+        "  Python        CheckpointClient.from_settings(Settings()) finds it from here",
+        "  other langs   LPUSH a protocol 2 message to that Redis: docs/protocol.md, clients/go",
+        "  Ctrl-C to stop",
+        "",
+    ]
+    click.echo("\n".join(lines), err=True)
 
 
 @cli.command()

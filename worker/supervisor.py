@@ -13,11 +13,16 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from types import FrameType
 
+import redis
+from redis.exceptions import RedisClusterException
+
 from checkpointq.store.errors import CheckpointError
+from checkpointq.worker import connections
 from checkpointq.worker.connections import with_embedded
 from checkpointq.worker.embedded import EmbeddedRedis
 from checkpointq.worker.processes import await_exit, spawn
@@ -45,6 +50,8 @@ class Supervisor:
 
     settings: Settings
     grace_seconds: float = CHILD_GRACE_SECONDS
+    #: Called once, with the running system's settings, when the worker is consuming.
+    on_ready: Callable[[Settings], None] | None = None
 
     def run(self) -> None:
         """Block until SIGINT/SIGTERM (clean stop) or a child exits (raises ChildFailed)."""
@@ -67,7 +74,8 @@ class Supervisor:
                     return
                 children = self._start_children(settings)
                 stack.callback(self._stop_children, children)
-                failed = _watch(children, stop_requested)
+                ready = _Readiness(settings, children["worker"].pid, self.on_ready)
+                failed = _watch(children, stop_requested, ready.poll)
                 if failed is not None:
                     role, code = failed
                     raise ChildFailed(f"{role} exited unexpectedly with code {code}; stopped")
@@ -100,13 +108,44 @@ class Supervisor:
             logger.info("%s stopped (exit code %s)", role, code)
 
 
+class _Readiness:
+    """Tells ``on_ready`` once the worker is consuming: its heartbeat is in the store."""
+
+    def __init__(
+        self, settings: Settings, worker_pid: int, on_ready: Callable[[Settings], None] | None
+    ) -> None:
+        self.settings = settings
+        self.worker_pid = worker_pid
+        self.on_ready = on_ready
+
+    def poll(self) -> None:
+        if self.on_ready is None:
+            return
+        from checkpointq.worker.ops.health import live_workers  # Celery only when run
+
+        client = connections.store_client(self.settings, timeout=1.0)
+        try:
+            beats = live_workers(client, connections.key_space(self.settings))
+        except (redis.RedisError, RedisClusterException):
+            return  # not yet: asked again on the next watch interval
+        finally:
+            client.close()
+        if any(beat.get("pid") == self.worker_pid for beat in beats):
+            on_ready, self.on_ready = self.on_ready, None
+            on_ready(self.settings)
+
+
 def _watch(
-    children: dict[str, subprocess.Popen[bytes]], stop_requested: threading.Event
+    children: dict[str, subprocess.Popen[bytes]],
+    stop_requested: threading.Event,
+    tick: Callable[[], None],
 ) -> tuple[str, int] | None:
-    """Wait for a stop request (None) or the first child to exit (its role and code)."""
+    """Wait for a stop request (None) or the first child to exit (its role and code),
+    calling ``tick`` every interval meanwhile."""
     while not stop_requested.wait(WATCH_INTERVAL):
         for role, process in children.items():
             code = process.poll()
             if code is not None:
                 return role, code
+        tick()
     return None
