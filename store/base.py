@@ -1,10 +1,14 @@
 """The store contract every checkpoint store fulfils, and the parts they share.
 
-Writes are *fenced* by ``seq``: microseconds since the Unix epoch at which the request was
-made. A save applies iff its ``seq`` is at least the last applied ``seq`` of the session
-(save or delete); a delete leaves a tombstone carrying its ``seq`` so that an older save
-arriving late cannot resurrect the session. At equal ``seq`` a delete wins over a save, so
-the outcome never depends on arrival order. Re-applying the same request is harmless.
+Writes are *fenced* by ``seq``: a causal timestamp in microseconds (docs/protocol.md, the
+producer rule). A save applies iff its ``seq`` is above the last applied ``seq`` of the
+session (save or delete), or equal to it when it repeats the request that set the fence; a
+delete leaves a tombstone carrying its ``seq`` so that an older save arriving late cannot
+resurrect the session. At equal ``seq`` a delete wins over a save, so the outcome never
+depends on arrival order. Re-applying the same request is harmless.
+
+The fence also keeps the winning request's id, so a producer can tell whether its own
+request is the one applied or was superseded (``request_outcome``).
 """
 
 from __future__ import annotations
@@ -82,10 +86,21 @@ class Page:
 
 @dataclass(frozen=True, slots=True)
 class Fence:
-    """The last request applied to a session: its ``seq`` and whether it was a delete."""
+    """The last request applied to a session: its ``seq``, whether it was a delete, and its
+    request id (``""`` when its producer gave none)."""
 
     seq: int
     deleted: bool
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A request the worker dead-lettered: why, and the dead letter's entry id."""
+
+    kind: str
+    reason: str
+    entry: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +117,7 @@ class SaveOp:
 
     checkpoint: Checkpoint
     seq: int | None = None
+    request_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +126,7 @@ class DeleteOp:
 
     session_id: str
     seq: int | None = None
+    request_id: str = ""
 
 
 BatchOp = SaveOp | DeleteOp
@@ -149,16 +166,20 @@ class CheckpointStore(abc.ABC):
     # -- the contract -------------------------------------------------------------------
 
     @abc.abstractmethod
-    def save(self, checkpoint: Checkpoint, seq: int | None = None) -> SaveResult:
-        """Apply a save unless a request with a higher ``seq`` (or a delete) already won."""
+    def save(
+        self, checkpoint: Checkpoint, seq: int | None = None, request_id: str = ""
+    ) -> SaveResult:
+        """Apply a save unless a request with a higher ``seq`` already won, or another one
+        (or a delete) with the same ``seq``. ``request_id`` names the request in the fence."""
 
     @abc.abstractmethod
     def load(self, session_id: str) -> Checkpoint | None:
         """Return the live checkpoint, or None when absent, expired or deleted."""
 
     @abc.abstractmethod
-    def delete(self, session_id: str, seq: int | None = None) -> bool:
-        """Delete and leave a tombstone; False when a newer save had already won."""
+    def delete(self, session_id: str, seq: int | None = None, request_id: str = "") -> bool:
+        """Delete and leave a tombstone; False when a newer request had already won (or
+        another delete with the same ``seq``)."""
 
     @abc.abstractmethod
     def refresh(self, session_id: str) -> bool:
@@ -168,6 +189,20 @@ class CheckpointStore(abc.ABC):
     def fence(self, session_id: str) -> Fence | None:
         """The last applied request of a session, while it is remembered (read-your-writes:
         a request with ``seq`` S is durable once ``fence.seq >= S``)."""
+
+    def load_with_fence(self, session_id: str) -> tuple[Checkpoint | None, Fence | None]:
+        """The live checkpoint and the session's fence, read together: the fence is never
+        older than the checkpoint, so a request stamped after ``fence.seq`` sorts after the
+        write that was loaded. Stores override this to read both at once."""
+        checkpoint = self.load(session_id)
+        return checkpoint, self.fence(session_id)
+
+    def request_outcome(
+        self, session_id: str, request_id: str
+    ) -> tuple[Fence | None, Refusal | None]:
+        """The session's fence, and the refusal of ``request_id`` if a worker recorded one
+        (only the Redis store keeps refusals, beside the dead letters)."""
+        return self.fence(session_id), None
 
     @abc.abstractmethod
     def list_page(self, cursor: str | None = None, count: int = 1000) -> Page:
@@ -192,9 +227,9 @@ class CheckpointStore(abc.ABC):
         for op in ops:
             try:
                 if isinstance(op, SaveOp):
-                    results.append(self.save(op.checkpoint, op.seq))
+                    results.append(self.save(op.checkpoint, op.seq, op.request_id))
                 else:
-                    results.append(self.delete(op.session_id, op.seq))
+                    results.append(self.delete(op.session_id, op.seq, op.request_id))
             except InvalidInput as exc:
                 results.append(exc)
         return results

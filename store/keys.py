@@ -7,6 +7,7 @@ Single Redis (``KeySpace``; prefix ``agentorca-session``, the Go default)::
     agentorca-session.cq:deadlines      sorted set: session id -> deadline (ms since epoch)
     agentorca-session.cq:sweep-lock     short lock held by one sweep at a time
     agentorca-session.cq:dead-letters   stream of requests that could not be applied
+    agentorca-session.cq:refused:<req>  hash: why request <req> was dead-lettered, and where
     agentorca-session.cq:events         stream of expired/deleted session ids
 
 A Go-style ``SCAN agentorca-session:*`` therefore sees exactly the checkpoints: our
@@ -132,6 +133,11 @@ class KeySpace:
 
     def events(self) -> str:
         return f"{self._internal}:events"
+
+    def refused(self, request_id: str) -> str:
+        """A dead-lettered request's refusal record (kind, reason, entry), by request id, so
+        that its producer learns it was refused (short-lived: see ``DeadLetters``)."""
+        return f"{self._internal}:refused:{request_id}"
 
     def beat_prefix(self) -> str:
         """Prefix of beat's schedule and lock (celery-redbeat), so that deployments sharing

@@ -24,6 +24,7 @@ class _Fence:
     deleted: bool
     #: When the fence itself may be forgotten (seconds since epoch).
     expires_at: float
+    request_id: str = ""
 
 
 @dataclass(slots=True)
@@ -50,7 +51,9 @@ class InMemoryStore(CheckpointStore):
             return None
         return fence
 
-    def save(self, checkpoint: Checkpoint, seq: int | None = None) -> SaveResult:
+    def save(
+        self, checkpoint: Checkpoint, seq: int | None = None, request_id: str = ""
+    ) -> SaveResult:
         seq = self.resolve_seq(seq)
         session_id = checkpoint.session_id
         encoded = self.encode(checkpoint)
@@ -58,39 +61,55 @@ class InMemoryStore(CheckpointStore):
         with self._lock:
             now = self.clock()
             fence = self._live_fence(session_id, now)
-            if fence is not None and (seq < fence.seq or (seq == fence.seq and fence.deleted)):
+            if fence is not None and (
+                seq < fence.seq
+                or (seq == fence.seq and (fence.deleted or fence.request_id != request_id))
+            ):
                 return SaveResult(ref, False, session_id, checkpoint.version, seq)
             deadline = now + self.options.ttl_seconds
             self._entries[session_id] = _Entry(encoded.value, deadline)
             self._fences[session_id] = _Fence(
-                seq, False, deadline + self.options.tombstone_ttl_seconds
+                seq, False, deadline + self.options.tombstone_ttl_seconds, request_id
             )
         return SaveResult(
             ref, True, session_id, checkpoint.version, seq, encoded.trimmed, len(encoded.value)
         )
 
     def load(self, session_id: str) -> Checkpoint | None:
+        return self.load_with_fence(session_id)[0]
+
+    def load_with_fence(self, session_id: str) -> tuple[Checkpoint | None, Fence | None]:
         self.check_session_id(session_id)
         with self._lock:
+            now = self.clock()
+            fence = self._public_fence(session_id, now)
             entry = self._entries.get(session_id)
-            if entry is None or entry.deadline <= self.clock():
-                return None
+            if entry is None or entry.deadline <= now:
+                return None, fence
             value = entry.value
+        return self._decode(session_id, value), fence
+
+    def _decode(self, session_id: str, value: bytes) -> Checkpoint:
         try:
             return deserialize_checkpoint(self.codec.decode(value))
         except (CodecError, InvalidCheckpoint) as exc:
             raise CorruptCheckpoint(session_id, str(exc)) from None
 
-    def delete(self, session_id: str, seq: int | None = None) -> bool:
+    def delete(self, session_id: str, seq: int | None = None, request_id: str = "") -> bool:
         self.check_session_id(session_id)
         seq = self.resolve_seq(seq)
         with self._lock:
             now = self.clock()
             fence = self._live_fence(session_id, now)
-            if fence is not None and seq < fence.seq:
+            if fence is not None and (
+                seq < fence.seq
+                or (seq == fence.seq and fence.deleted and fence.request_id != request_id)
+            ):
                 return False
             self._entries.pop(session_id, None)
-            self._fences[session_id] = _Fence(seq, True, now + self.options.tombstone_ttl_seconds)
+            self._fences[session_id] = _Fence(
+                seq, True, now + self.options.tombstone_ttl_seconds, request_id
+            )
         return True
 
     def refresh(self, session_id: str) -> bool:
@@ -109,8 +128,11 @@ class InMemoryStore(CheckpointStore):
     def fence(self, session_id: str) -> Fence | None:
         self.check_session_id(session_id)
         with self._lock:
-            fence = self._live_fence(session_id, self.clock())
-            return None if fence is None else Fence(fence.seq, fence.deleted)
+            return self._public_fence(session_id, self.clock())
+
+    def _public_fence(self, session_id: str, now: float) -> Fence | None:
+        fence = self._live_fence(session_id, now)
+        return None if fence is None else Fence(fence.seq, fence.deleted, fence.request_id)
 
     def list_page(self, cursor: str | None = None, count: int = 1000) -> Page:
         start = int(cursor) if cursor else 0

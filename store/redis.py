@@ -30,6 +30,7 @@ from checkpointq.store.base import (
     EncodedCheckpoint,
     Fence,
     Page,
+    Refusal,
     SaveOp,
     SaveResult,
     StoreOptions,
@@ -211,7 +212,9 @@ class RedisStore(CheckpointStore):
 
     # -- writes -------------------------------------------------------------------------
 
-    def save(self, checkpoint: Checkpoint, seq: int | None = None) -> SaveResult:
+    def save(
+        self, checkpoint: Checkpoint, seq: int | None = None, request_id: str = ""
+    ) -> SaveResult:
         seq = self.resolve_seq(seq)
         session_id = checkpoint.session_id
         encoded = self.encode(checkpoint)
@@ -228,6 +231,7 @@ class RedisStore(CheckpointStore):
                     deadline,
                     ttl_ms + _ms(opts.tombstone_ttl_seconds),
                     session_id,
+                    request_id,
                 ],
             )
         ref = self.ref(session_id, checkpoint.version)
@@ -237,13 +241,13 @@ class RedisStore(CheckpointStore):
             ref, True, session_id, checkpoint.version, seq, encoded.trimmed, len(encoded.value)
         )
 
-    def delete(self, session_id: str, seq: int | None = None) -> bool:
+    def delete(self, session_id: str, seq: int | None = None, request_id: str = "") -> bool:
         self.check_session_id(session_id)
         seq = self.resolve_seq(seq)
         with _store_errors(f"delete {session_id!r}"):
             applied = self.scripts.delete(
                 keys=self.keys.session(session_id).as_list(),
-                args=[seq, _ms(self.options.tombstone_ttl_seconds), session_id],
+                args=[seq, _ms(self.options.tombstone_ttl_seconds), session_id, request_id],
             )
         return bool(applied)
 
@@ -269,7 +273,10 @@ class RedisStore(CheckpointStore):
                     cp = op.checkpoint
                     encoded = self.encode(cp)
                     keys = self.keys.session(cp.session_id).as_list()
-                    args = [seq, encoded.value, ttl_ms, deadline, fence_ttl_ms, cp.session_id]
+                    args = [
+                        *(seq, encoded.value, ttl_ms, deadline, fence_ttl_ms, cp.session_id),
+                        op.request_id,
+                    ]
                     queue(self.scripts.save, pipe, keys, args)
                     finish.append(
                         _save_result(self.ref(cp.session_id, cp.version), cp, seq, encoded)
@@ -278,7 +285,8 @@ class RedisStore(CheckpointStore):
                     self.check_session_id(op.session_id)
                     seq = self.resolve_seq(op.seq)
                     keys = self.keys.session(op.session_id).as_list()
-                    queue(self.scripts.delete, pipe, keys, [seq, tombstone_ms, op.session_id])
+                    args = [seq, tombstone_ms, op.session_id, op.request_id]
+                    queue(self.scripts.delete, pipe, keys, args)
                     finish.append(bool)
                 results.append(None)
             except InvalidInput as exc:
@@ -315,20 +323,42 @@ class RedisStore(CheckpointStore):
         self.check_session_id(session_id)
         with _store_errors(f"load {session_id!r}"):
             stored = self.client.get(self.keys.data(session_id))
-        if stored is None:
-            return None
+        return None if stored is None else self._decode(session_id, stored)
+
+    def _decode(self, session_id: str, stored: bytes) -> Checkpoint:
         try:
             return deserialize_checkpoint(self.codec.decode(stored))
         except (CodecError, InvalidCheckpoint) as exc:
             raise CorruptCheckpoint(session_id, str(exc)) from None
 
+    def load_with_fence(self, session_id: str) -> tuple[Checkpoint | None, Fence | None]:
+        """One script call (load.lua): the value and the fence, read atomically."""
+        self.check_session_id(session_id)
+        keys = self.keys.session(session_id)
+        with _store_errors(f"load {session_id!r}"):
+            stored, *fence = self.scripts.load(keys=[keys.data, keys.fence], args=[])
+        checkpoint = None if stored is None else self._decode(session_id, stored)
+        return checkpoint, _fence(*fence)
+
     def fence(self, session_id: str) -> Fence | None:
         self.check_session_id(session_id)
         with _store_errors(f"read fence of {session_id!r}"):
-            seq, deleted = self.client.hmget(self.keys.fence(session_id), "seq", "deleted")
-        if seq is None:
-            return None
-        return Fence(int(seq), deleted == b"1")
+            reply = self.client.hmget(self.keys.fence(session_id), "seq", "deleted", "req")
+        return _fence(*reply)
+
+    def request_outcome(
+        self, session_id: str, request_id: str
+    ) -> tuple[Fence | None, Refusal | None]:
+        """The fence and the request's refusal record, in one pipelined round trip (two
+        keys of different slots on a cluster, hence no script)."""
+        self.check_session_id(session_id)
+        with _store_errors(f"read outcome of {request_id!r}"):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hmget(self.keys.fence(session_id), "seq", "deleted", "req")
+            pipe.hmget(self.keys.refused(request_id), "kind", "reason", "entry")
+            fence, (kind, reason, entry) = pipe.execute()
+        refusal = None if kind is None else Refusal(_text(kind), _text(reason), _text(entry))
+        return _fence(*fence), refusal
 
     def list_page(self, cursor: str | None = None, count: int = 1000) -> Page:
         """One page of live ids; the cursor is ZSCAN's on a single Redis and
@@ -480,6 +510,17 @@ def _save_result(
         )
 
     return finish
+
+
+def _fence(seq: bytes | None, deleted: bytes | None, request_id: bytes | None) -> Fence | None:
+    """A fence from its hash fields (as HMGET or load.lua return them)."""
+    if seq is None:
+        return None
+    return Fence(int(seq), deleted == b"1", _text(request_id))
+
+
+def _text(value: bytes | None) -> str:
+    return "" if value is None else value.decode("utf-8", errors="replace")
 
 
 def _chunks(items: Iterator[Any], size: int) -> Iterator[list[Any]]:

@@ -53,6 +53,7 @@ class Scripts:
     delete: Script
     refresh: Script
     expire: Script
+    load: Script
 
     @classmethod
     def register(cls, client: Any) -> Scripts:
@@ -61,4 +62,5 @@ class Scripts:
             delete=client.register_script(script_source("delete")),
             refresh=client.register_script(script_source("refresh")),
             expire=client.register_script(script_source("expire")),
+            load=client.register_script(script_source("load")),
         )

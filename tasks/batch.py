@@ -42,8 +42,14 @@ _DELETE_FIELDS = frozenset({"op", "session_id", "seq"})
 Outcome = dict[str, Any]
 
 
-def parse_item(item: object) -> BatchOp:
-    """One item of ``items`` as a store operation.
+def item_request_id(task_id: str | None, position: int) -> str:
+    """The id of item ``position`` of batch ``task_id``: what the fence and the refusal
+    records know it by (``BatchingClient`` hands out handles with it)."""
+    return f"{task_id}:{position}" if task_id else ""
+
+
+def parse_item(item: object, request_id: str = "") -> BatchOp:
+    """One item of ``items`` as a store operation named ``request_id``.
 
     Raises:
         InvalidInput: not a save or delete item, or its checkpoint, id or seq is invalid.
@@ -59,8 +65,8 @@ def parse_item(item: object) -> BatchOp:
         raise InvalidInput(f"unknown field(s) {unknown} in a {op} item", field="item")
     seq = accepted_seq(item.get("seq"))
     if op == "save":
-        return SaveOp(checkpoint_from_wire(item.get("checkpoint")), seq)
-    return DeleteOp(validate_session_id(item.get("session_id")), seq)
+        return SaveOp(checkpoint_from_wire(item.get("checkpoint")), seq, request_id)
+    return DeleteOp(validate_session_id(item.get("session_id")), seq, request_id)
 
 
 def _as_request(item: object) -> tuple[str, list[Any], dict[str, Any]]:
@@ -113,7 +119,7 @@ def apply_batch(task: Task, items: object) -> Outcome:
     refused: dict[int, InvalidInput] = {}
     for position, item in enumerate(items):
         try:
-            ops.append(parse_item(item))
+            ops.append(parse_item(item, item_request_id(task.request.id, position)))
             positions.append(position)
         except InvalidInput as exc:
             refused[position] = exc
@@ -138,6 +144,7 @@ def apply_batch(task: Task, items: object) -> Outcome:
             kwargs=kwargs,
             raw=dumps_go(items[position]),
             retries=task.request.retries or 0,
+            request_ids=[item_request_id(task.request.id, position)],
         )
         outcomes[position] = {"outcome": "dead_lettered", "kind": "invalid_input", "entry": entry}
     counts: dict[str, int] = {}

@@ -46,11 +46,13 @@ Outcome = dict[str, Any]
 # -- the task bodies (plain functions: each validates and calls one store method) ---------
 
 
-def save(checkpoint: object, seq: int | None = None) -> Outcome:
+def save(task: Task, checkpoint: object, seq: int | None = None) -> Outcome:
     """Apply a save unless a newer request (or a delete) already won."""
     cp = checkpoint_from_wire(checkpoint)
     seq = accepted_seq(seq)
-    result = runtime.current().store.save(cp, seq)
+    # The task id names the request in the fence: its producer learns from it whether its
+    # own save is the one applied (docs/protocol.md).
+    result = runtime.current().store.save(cp, seq, task.request.id or "")
     return {
         "outcome": "applied" if result.applied else "stale",
         "session_id": result.session_id,
@@ -61,11 +63,11 @@ def save(checkpoint: object, seq: int | None = None) -> Outcome:
     }
 
 
-def delete(session_id: object, seq: int | None = None) -> Outcome:
+def delete(task: Task, session_id: object, seq: int | None = None) -> Outcome:
     """Delete a session and leave a tombstone, unless a newer save already won."""
     sid = validate_session_id(session_id)
     seq = accepted_seq(seq)
-    applied = runtime.current().store.delete(sid, seq)
+    applied = runtime.current().store.delete(sid, seq, task.request.id or "")
     return {"outcome": "deleted" if applied else "stale", "session_id": sid, "seq": seq}
 
 
@@ -246,12 +248,9 @@ class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
 
 def register(app: Celery) -> None:
     """Register the checkpoint tasks on ``app`` under their contract names."""
-    for name, fn in (
-        (SAVE, save),
-        (DELETE, delete),
-        (REFRESH, refresh),
-        (EXPIRE_STALE, expire_stale),
-    ):
+    for name, fn in ((REFRESH, refresh), (EXPIRE_STALE, expire_stale)):
         app.task(name=name, base=CheckpointTask)(fn)
-    # Bound: it dead-letters its bad items itself, under the batch's task id.
-    app.task(name=batch.APPLY_BATCH, base=CheckpointTask, bind=True)(batch.apply_batch)
+    # Bound: saves and deletes record their task id in the fence; a batch dead-letters its
+    # bad items itself, under the batch's task id.
+    for name, bound in ((SAVE, save), (DELETE, delete), (batch.APPLY_BATCH, batch.apply_batch)):
+        app.task(name=name, base=CheckpointTask, bind=True)(bound)

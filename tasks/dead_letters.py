@@ -21,8 +21,11 @@ import enum
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from redis import exceptions as redis_errors
 
 from checkpointq.store.keys import KeySpace
 from checkpointq.tasks.errors import NotFound, NotReplayable, redis_unavailable
@@ -31,6 +34,10 @@ logger = logging.getLogger(__name__)
 
 #: Bytes of an oversize body kept in its dead letter: enough to identify the request.
 OVERSIZE_SAMPLE_BYTES = 64 * 1024
+
+#: How long a refusal record (``KeySpace.refused``) tells a waiting producer that its request
+#: was dead-lettered: as long as a tombstone lasts by default, far longer than anyone waits.
+REFUSAL_TTL_SECONDS = 24 * 60 * 60
 
 
 class Reason(enum.StrEnum):
@@ -108,6 +115,7 @@ class DeadLetters:
     def __init__(self, client: Any, keys: KeySpace, *, maxlen: int = 100_000) -> None:
         """``client`` is a ``redis.Redis`` on the store Redis (any ``decode_responses``)."""
         self.client = client
+        self.keys = keys
         self.key = keys.dead_letters()
         self.maxlen = maxlen
 
@@ -123,8 +131,12 @@ class DeadLetters:
         raw: bytes | str | None = None,
         headers: dict[str, Any] | None = None,
         retries: int = 0,
+        request_ids: Sequence[str] | None = None,
     ) -> str:
         """Append an entry and return its id.
+
+        Each of ``request_ids`` (default: ``task_id``) also gets a refusal record, so that
+        a producer waiting on that request learns it was refused (and why) at once.
 
         Raises:
             StoreUnavailable: the store Redis cannot be written; ``add`` has then logged the
@@ -166,7 +178,28 @@ class DeadLetters:
         logger.warning(
             "dead-lettered %s [%s] as %s: %s (entry %s)", task, task_id, kind.value, reason, entry
         )
+        ids = [task_id] if request_ids is None and task_id else list(request_ids or ())
+        if ids:
+            self._record_refusals(ids, kind, reason, entry)
         return entry
+
+    def _record_refusals(
+        self, request_ids: list[str], kind: Reason, reason: str, entry: str
+    ) -> None:
+        record = {"kind": kind.value, "reason": reason, "entry": entry}
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for request_id in request_ids:
+                key = self.keys.refused(request_id)
+                pipe.hset(key, mapping=record)
+                pipe.expire(key, REFUSAL_TTL_SECONDS)
+            pipe.execute()
+        except (redis_errors.RedisError, redis_errors.RedisClusterException) as exc:
+            # The dead letter itself is written: only the producer's early notice is lost
+            # (its wait times out instead). Not worth a retry that would duplicate the entry.
+            logger.warning(
+                "could not record the refusal of %s (dead letter %s): %s", request_ids, entry, exc
+            )
 
     def list(self, count: int = 100, cursor: str | None = None) -> DeadLetterPage:
         """Up to ``count`` entries after ``cursor`` (exclusive), oldest first."""

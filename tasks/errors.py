@@ -18,6 +18,14 @@ class NotReplayable(CheckpointError):
     """A dead letter cannot be replayed: its task or arguments could never be decoded."""
 
 
+class RequestRefused(CheckpointError):
+    """A worker dead-lettered the request a producer waits for: it will never apply."""
+
+    def __init__(self, description: str, kind: str, reason: str, entry: str) -> None:
+        super().__init__(f"{description} was refused ({kind}): {reason}; dead letter {entry}")
+        self.kind, self.reason, self.entry = kind, reason, entry
+
+
 class NotFound(CheckpointError):
     """No dead letter has that id (already replayed, purged or trimmed)."""
 

@@ -300,7 +300,7 @@ func (c *Client[C]) LoadWithSeq(ctx context.Context, sessionID string) (*C, int6
 	if err != nil {
 		return nil, 0, fmt.Errorf("%w: load %q: %v", ErrStoreUnavailable, sessionID, err)
 	}
-	items, err := replyList(reply, 2)
+	items, err := replyList(reply, 4)
 	if err != nil {
 		return nil, 0, fmt.Errorf("%w: load %q: %v", ErrStoreUnavailable, sessionID, err)
 	}
@@ -436,7 +436,9 @@ func (c *Client[C]) decide(h Handle, reply interface{}) (res Result, done bool, 
 	case winner == h.TaskID, winner == "" && seq == h.Seq:
 		// (Workers that do not record the winner: the fence at this request's own seq.)
 		res.Outcome = Applied
-	case seq > h.Seq, seq == h.Seq && res.Deleted && h.Task == TaskSave:
+	case seq > h.Seq, seq == h.Seq && winner != "" && (h.Task == TaskSave || res.Deleted):
+		// At equal seq another request holds the fence: a save can never apply over it; a
+		// delete applies over a save, but not over another delete (store/lua/*.lua).
 		res.Outcome = Superseded
 	default:
 		return res, false, nil

@@ -3,9 +3,12 @@ package checkpointq
 import (
 	"context"
 	"errors"
+	"os"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/gomodule/redigo/redis"
 )
 
 // skewedTurns runs the apiserver's pattern with two replicas whose clocks are 2 s apart:
@@ -149,5 +152,37 @@ func TestSilentStoreFailsReadsWithinTheirTimeout(t *testing.T) {
 	h := Handle{TaskID: "t", Task: TaskSave, SessionID: "x", Seq: 1}
 	if _, err := c.WaitDurable(short, h); !errors.Is(err, ErrStoreUnavailable) {
 		t.Fatalf("WaitDurable: err = %v, want ErrStoreUnavailable", err)
+	}
+}
+
+func TestWaitDurableRaisesWithTheReasonOfARefusedRequest(t *testing.T) {
+	// A producer whose clock runs 10 minutes ahead: the worker allows 5 and dead-letters it.
+	ahead := newClient[Checkpoint](t, Config{Now: func() time.Time { return time.Now().Add(10 * time.Minute) }})
+	ctx := background(t)
+	h, err := ahead.SaveAsync(ctx, sampleCheckpoint(sessionID(t, "x"), 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = ahead.WaitDurable(ctx, h)
+	var refused *RefusedError
+	if !errors.As(err, &refused) || !errors.Is(err, ErrRefused) {
+		t.Fatalf("err = %v, want a *RefusedError", err)
+	}
+	if refused.Kind != "invalid_input" || !strings.Contains(refused.Reason, "ahead") || refused.Entry == "" {
+		t.Fatalf("refusal = %+v", refused)
+	}
+	entries, err := redis.Values(env.store.Do("XRANGE", DefaultPrefix+".cq:dead-letters", refused.Entry, refused.Entry))
+	if err != nil || len(entries) != 1 {
+		t.Fatalf("dead letter %s: %v, %v", refused.Entry, entries, err)
+	}
+}
+
+func TestLoadScriptIsTheStoresOwn(t *testing.T) {
+	shared, err := os.ReadFile("../../store/lua/load.lua")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(shared) != loadScript {
+		t.Fatal("loadScript differs from store/lua/load.lua: copy the file into redis.go")
 	}
 }

@@ -21,15 +21,24 @@ type Redis interface {
 	ZScan(ctx context.Context, key string, cursor uint64, count int64) ([]string, uint64, error)
 }
 
-// loadScript reads a checkpoint and its session's fence in one round trip (the same
-// script as store/lua/load.lua).
-//
-// KEYS[1] data key; KEYS[2] fence hash. Returns {value or nil, fence seq or nil}.
-const loadScript = `return {redis.call('GET', KEYS[1]), redis.call('HGET', KEYS[2], 'seq')}`
+// loadScript is store/lua/load.lua, byte for byte (a test compares them): a checkpoint and
+// its session's fence in one round trip. Returns {value, seq, deleted, req}, nil where absent.
+const loadScript = `-- load.lua: read a session's checkpoint and its fence in one round trip.
+--
+-- KEYS[1]  data key
+-- KEYS[2]  fence hash (see save.lua)
+--
+-- Returns {value, seq, deleted, req}, each nil (false) where absent. Read together, the
+-- fence is never older than the value, so a request stamped after the fence's seq sorts
+-- after the write that was loaded (the producer rule, docs/protocol.md).
+local fence = redis.call('HMGET', KEYS[2], 'seq', 'deleted', 'req')
+return {redis.call('GET', KEYS[1]), fence[1], fence[2], fence[3]}
+`
 
-// outcomeScript reads what WaitDurable needs in one round trip (store/lua/outcome.lua).
+// outcomeScript reads what WaitDurable needs in one round trip (the Python client reads the
+// same two hashes with a pipeline, which also works on a cluster).
 //
-// KEYS[1] fence hash; KEYS[2] the request's refusal record.
+// KEYS[1] fence hash; KEYS[2] the request's refusal record (<prefix>.cq:refused:<request id>).
 // Returns {seq, deleted, req, kind, reason, entry}, nil where absent.
 const outcomeScript = `local f = redis.call('HMGET', KEYS[1], 'seq', 'deleted', 'req')
 local r = redis.call('HMGET', KEYS[2], 'kind', 'reason', 'entry')

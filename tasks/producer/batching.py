@@ -17,6 +17,8 @@ Guarantees:
   caller that filled it.
 * **Order.** Requests get their ``seq`` when they join a batch, batches are published one at
   a time in order, and every item is fenced by its own ``seq`` anyway.
+* **Outcomes.** Item ``i`` of batch ``T`` is request ``T:i`` (``Handle.request``), so
+  ``wait_durable`` reports each item's own outcome.
 * **Errors.** ``save``/``delete`` validate at once (as the plain client does). A publish that
   fails in the background (``BrokerUnavailable`` after the retries) is raised by the next
   call to ``save``, ``delete``, ``flush`` or ``close``: the requests of that batch were not
@@ -41,7 +43,8 @@ from checkpointq.store.model import Checkpoint, validate_session_id
 from checkpointq.tasks.batch import APPLY_BATCH, MAX_ITEMS
 from checkpointq.tasks.errors import BrokerUnavailable
 from checkpointq.tasks.producer import fast_publish
-from checkpointq.tasks.producer.client import DELETE, SAVE, CheckpointClient, Handle, next_seq
+from checkpointq.tasks.producer.client import DELETE, SAVE, CheckpointClient, Handle
+from checkpointq.tasks.producer.outcomes import RequestOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +96,9 @@ class BatchingClient:
 
     # -- enqueue ------------------------------------------------------------------------
 
-    def save(self, checkpoint: Checkpoint | dict[str, Any]) -> Handle:
+    def save(self, checkpoint: Checkpoint | dict[str, Any], *, after: int | None = None) -> Handle:
         """Add a save to the open batch; return at once (see the module docstring).
+        ``after`` as for ``CheckpointClient.save``.
 
         Raises:
             InvalidCheckpoint: not a valid checkpoint (nothing was queued).
@@ -102,19 +106,23 @@ class BatchingClient:
             BrokerUnavailable: an earlier batch could not be published, or this one.
         """
         cp, document = self.client.encode(checkpoint)
-        return self._add(SAVE, cp.session_id, b'{"op":"save","checkpoint":%s,"seq":%d}', document)
+        template = b'{"op":"save","checkpoint":%s,"seq":%d}'
+        return self._add(SAVE, cp.session_id, template, document, after)
 
-    def delete(self, session_id: str) -> Handle:
+    def delete(self, session_id: str, *, after: int | None = None) -> Handle:
         """Add a delete to the open batch; return at once."""
         validate_session_id(session_id)
         sid = orjson.dumps(session_id)
-        return self._add(DELETE, session_id, b'{"op":"delete","session_id":%s,"seq":%d}', sid)
+        template = b'{"op":"delete","session_id":%s,"seq":%d}'
+        return self._add(DELETE, session_id, template, sid, after)
 
     def refresh(self, session_id: str) -> Handle:
         """Refreshes carry no ``seq`` and are not batched: published at once."""
         return self.client.refresh(session_id)
 
-    def _add(self, task: str, session_id: str, template: bytes, payload: bytes) -> Handle:
+    def _add(
+        self, task: str, session_id: str, template: bytes, payload: bytes, after: int | None
+    ) -> Handle:
         self._raise_pending_error()
         item = b""
         seq = 0
@@ -125,14 +133,16 @@ class BatchingClient:
                     raise RuntimeError("the batching client is closed")
                 if not item:
                     # Stamped under the lock: items join batches in seq order.
-                    seq = next_seq()
+                    seq = self.client.clock.next(session_id, after)
                     item = template % (payload, seq)
                     if len(item) + 1 > self.max_bytes:
                         break
                 room = len(self._items) < self.max_items
                 if room and self._size + len(item) + 1 <= self.max_bytes:
                     self._append(item, task)
-                    handle = Handle(self._task_id, task, session_id, seq)
+                    # The worker names item i of batch T "T:i" (tasks/batch.py).
+                    request_id = f"{self._task_id}:{len(self._items) - 1}"
+                    handle = Handle(self._task_id, task, session_id, seq, request_id)
                     if len(self._items) < self.max_items:
                         return handle
             # The open batch is full (with or without this item): publish it now.
@@ -214,12 +224,17 @@ class BatchingClient:
 
     # -- everything else is the wrapped client's ----------------------------------------
 
-    def wait_durable(self, handle: Handle, timeout: float = 10.0, interval: float = 0.01) -> Fence:
+    def wait_durable(
+        self, handle: Handle, timeout: float = 10.0, interval: float = 0.01
+    ) -> RequestOutcome:
         """As ``CheckpointClient.wait_durable`` (the request may still be in its window)."""
         return self.client.wait_durable(handle, timeout, interval)
 
     def load(self, session_id: str) -> Checkpoint | None:
         return self.client.load(session_id)
+
+    def load_with_fence(self, session_id: str) -> tuple[Checkpoint | None, Fence | None]:
+        return self.client.load_with_fence(session_id)
 
     def list(self) -> list[str]:
         return self.client.list()

@@ -4,19 +4,19 @@ Light on purpose: it imports no task code and needs no result backend. On a Redi
 writes Celery protocol 2 messages itself and LPUSHes them (``fast_publish``: the stock
 worker reads them as it reads ``send_task``'s, at a fraction of the producer's cost); on any
 other broker it publishes with Celery's ``send_task``. It stamps every save and delete with
-a ``seq`` (microseconds since the epoch, strictly increasing within this process) and reads
-the store directly::
+a causal ``seq`` (``clock``: after every fence this process has read for the session, so
+"load, then save" keeps its order across producers whose clocks disagree) and reads the
+store directly::
 
     client = CheckpointClient.from_settings(settings)
-    handle = client.save(checkpoint)          # returns as soon as the broker has it
-    client.wait_durable(handle, timeout=5.0)  # read-your-writes, when the caller needs it
-    client.load(handle.session_id)
+    cp = client.load(session_id)              # also remembers the session's fence
+    handle = client.save(cp)                  # returns as soon as the broker has it
+    client.wait_durable(handle, timeout=5.0)  # applied or superseded; raises if refused
 """
 
 from __future__ import annotations
 
 import reprlib
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -32,8 +32,10 @@ from checkpointq.store.redis import RedisStore
 from checkpointq.store.serde import checkpoint_from_wire, dumps_go, serialize_checkpoint
 from checkpointq.store.urls import kombu_url, redact_url
 from checkpointq.tasks import brokers
-from checkpointq.tasks.errors import BrokerUnavailable
+from checkpointq.tasks.errors import BrokerUnavailable, RequestRefused
 from checkpointq.tasks.producer import fast_publish
+from checkpointq.tasks.producer.clock import SeqClock, seq_clock
+from checkpointq.tasks.producer.outcomes import RequestOutcome, decide
 
 # The task names are the contract (docs/protocol.md); the client does not import the tasks.
 SAVE = "checkpoint.save"
@@ -70,35 +72,22 @@ class ClientSettings(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Handle:
-    """A request on its way: pass it to ``wait_durable``. ``seq`` is None for refreshes."""
+    """A request on its way: pass it to ``wait_durable``. ``seq`` is None for refreshes.
+
+    ``task_id`` is the message's id; ``request_id`` names the request itself: the same for a
+    single request, ``"<batch task id>:<index>"`` for an item of a batch (empty: the task id).
+    """
 
     task_id: str
     task: str
     session_id: str
     seq: int | None
+    request_id: str = ""
 
-
-class _SeqClock:
-    """Microseconds since the epoch, strictly increasing within this process."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._last = 0
-
-    def next(self) -> int:
-        with self._lock:
-            # Two requests in the same microsecond (or a clock stepped back) still get
-            # distinct, increasing seqs, so a process's later request always wins.
-            self._last = max(time.time_ns() // 1000, self._last + 1)
-            return self._last
-
-
-_seq_clock = _SeqClock()
-
-
-def next_seq() -> int:
-    """A fresh ``seq`` for a request made now (strictly increasing within this process)."""
-    return _seq_clock.next()
+    @property
+    def request(self) -> str:
+        """The id the fence and the refusal records know this request by."""
+        return self.request_id or self.task_id
 
 
 # Celery puts a repr of the arguments (up to 1 KB, built by walking all of them) in every
@@ -118,14 +107,19 @@ class CheckpointClient:
         queue: str = "checkpoints",
         max_message_bytes: int = 8 * 1024 * 1024,
         transport_options: dict[str, Any] | None = None,
+        clock: SeqClock | None = None,
     ) -> None:
         """Publish to ``broker_url``'s ``queue``; read (and wait on) ``store``.
+
+        ``clock`` stamps the requests: by default the process's, which every client in the
+        process shares (with the fences they read).
 
         ``transport_options`` go to kombu for brokers published to through Celery
         (``checkpointq.tasks.brokers.transport_options``: confirms on RabbitMQ, the master's name on
         Sentinel); ``from_settings`` fills them in.
         """
         self._transport_options = dict(transport_options or {})
+        self.clock = clock or seq_clock
         self.store = store
         self.queue = queue
         self.max_message_bytes = max_message_bytes
@@ -185,8 +179,11 @@ class CheckpointClient:
 
     # -- enqueue ------------------------------------------------------------------------
 
-    def save(self, checkpoint: Checkpoint | dict[str, Any]) -> Handle:
-        """Enqueue a save stamped with a fresh ``seq``; return at once.
+    def save(self, checkpoint: Checkpoint | dict[str, Any], *, after: int | None = None) -> Handle:
+        """Enqueue a save stamped with a fresh causal ``seq``; return at once.
+
+        ``after``: a fence ``seq`` read in another process (``load_with_fence``) that this
+        save must sort after; fences read by this process count without it.
 
         Raises:
             InvalidCheckpoint: not a valid checkpoint (checked here, before publishing).
@@ -194,7 +191,7 @@ class CheckpointClient:
             BrokerUnavailable: the broker stayed unreachable through the publish retries.
         """
         cp, document = self.encode(checkpoint)
-        seq = _seq_clock.next()
+        seq = self.clock.next(cp.session_id, after)
         argsrepr = f"[<checkpoint {cp.session_id!r} v{cp.version}, {len(document)} bytes>]"
         kwargsrepr = f"{{'seq': {seq}}}"
         body = fast_publish.body(b"[" + document + b"]", b'{"seq":%d}' % seq)
@@ -219,10 +216,10 @@ class CheckpointClient:
             )
         return cp, document
 
-    def delete(self, session_id: str) -> Handle:
-        """Enqueue a delete stamped with a fresh ``seq``; return at once."""
+    def delete(self, session_id: str, *, after: int | None = None) -> Handle:
+        """Enqueue a delete stamped with a fresh causal ``seq``; return at once."""
         validate_session_id(session_id)
-        seq = _seq_clock.next()
+        seq = self.clock.next(session_id, after)
         return Handle(self.send(DELETE, [session_id], {"seq": seq}), DELETE, session_id, seq)
 
     def refresh(self, session_id: str) -> Handle:
@@ -298,29 +295,41 @@ class CheckpointClient:
 
     # -- read-your-writes ---------------------------------------------------------------
 
-    def wait_durable(self, handle: Handle, timeout: float = 10.0, interval: float = 0.01) -> Fence:
-        """Block until the store has applied ``handle``'s request, or a newer one.
-
-        Polls the session's fence: a request with ``seq`` S is durable once ``fence.seq >= S``.
-        A request that was dead-lettered never becomes durable; this then times out.
+    def wait_durable(
+        self, handle: Handle, timeout: float = 10.0, interval: float = 0.01
+    ) -> RequestOutcome:
+        """Block until ``handle``'s own outcome is known: applied, or superseded by a newer
+        request for the session (``outcomes``).
 
         Raises:
             ValueError: the handle has no ``seq`` (a refresh).
-            TimeoutError: not durable within ``timeout`` seconds.
+            RequestRefused: a worker dead-lettered the request (kind, reason, entry id).
+            TimeoutError: no outcome within ``timeout`` seconds.
             StoreUnavailable: the store could not be read.
         """
         if handle.seq is None:
             raise ValueError(f"{handle.task} requests carry no seq to wait for")
+        request = handle.request
         deadline = time.monotonic() + timeout
         delay = interval
         while True:
-            fence = self.store.fence(handle.session_id)
-            if fence is not None and fence.seq >= handle.seq:
-                return fence
+            fence, refusal = self.store.request_outcome(handle.session_id, request)
+            if refusal is None and request != handle.task_id:
+                # An item of a batch: the batch as a whole may have been refused.
+                refusal = self.store.request_outcome(handle.session_id, handle.task_id)[1]
+            if refusal is not None:
+                description = f"{handle.task} {request} for session {handle.session_id!r}"
+                raise RequestRefused(description, refusal.kind, refusal.reason, refusal.entry)
+            if fence is not None:
+                self.clock.observe(handle.session_id, fence.seq)
+            outcome = decide(handle.task, request, handle.seq, fence)
+            if outcome is not None:
+                return outcome
             if time.monotonic() >= deadline:
+                at = "no fence" if fence is None else f"fence at seq {fence.seq}"
                 raise TimeoutError(
-                    f"{handle.task} {handle.task_id} for session {handle.session_id!r} not "
-                    f"applied within {timeout}s"
+                    f"{handle.task} {request} for session {handle.session_id!r} (seq "
+                    f"{handle.seq}) not applied within {timeout}s ({at})"
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.25)
@@ -328,8 +337,19 @@ class CheckpointClient:
     # -- reads --------------------------------------------------------------------------
 
     def load(self, session_id: str) -> Checkpoint | None:
-        """The live checkpoint, read from the store (None when absent, expired or deleted)."""
-        return self.store.load(session_id)
+        """The live checkpoint, read from the store (None when absent, expired or deleted).
+
+        The session's fence comes with it, so a save or delete this process makes next
+        sorts after what was loaded."""
+        return self.load_with_fence(session_id)[0]
+
+    def load_with_fence(self, session_id: str) -> tuple[Checkpoint | None, Fence | None]:
+        """The checkpoint and the session's fence, in one round trip. Pass ``fence.seq`` as
+        ``after=`` to a save made in another process from what was loaded here."""
+        checkpoint, fence = self.store.load_with_fence(session_id)
+        if fence is not None:
+            self.clock.observe(session_id, fence.seq)
+        return checkpoint, fence
 
     def list(self) -> list[str]:
         """Every live session id, read from the store."""

@@ -20,7 +20,7 @@ from checkpointq.store.serde import checkpoint_to_wire
 from checkpointq.tasks import checkpoints, runtime
 from checkpointq.tasks.dead_letters import DeadLetters
 from checkpointq.tasks.policy import RetryPolicy
-from checkpointq.tasks.producer.client import _SeqClock
+from checkpointq.tasks.producer.clock import SeqClock
 from checkpointq.tasks.runtime import Runtime
 from checkpointq.tasks.sweep import sweep
 from checkpointq.worker.app import celery_config
@@ -31,7 +31,9 @@ from tests.support.checkpoints import make_checkpoint
 class DownStore(InMemoryStore):
     """A store whose Redis is unreachable for every write."""
 
-    def save(self, checkpoint: Checkpoint, seq: int | None = None) -> SaveResult:
+    def save(
+        self, checkpoint: Checkpoint, seq: int | None = None, request_id: str = ""
+    ) -> SaveResult:
         raise StoreUnavailable("save: Redis unavailable (ConnectionError)")
 
     def fence(self, session_id: str) -> Fence | None:
@@ -180,7 +182,7 @@ def test_sweep_announces_each_expired_session_and_skips_while_locked(
 
 
 def test_client_seqs_strictly_increase_within_a_process() -> None:
-    clock = _SeqClock()
+    clock = SeqClock()
     seqs = [clock.next() for _ in range(1000)]
     assert seqs == sorted(set(seqs))
 
