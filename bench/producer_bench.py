@@ -24,7 +24,8 @@ from bench.harness import RunConfig, SectionReport, Summary, Target, percentile,
 from bench.workload import make_checkpoint
 from checkpointq.store import RedisStore
 from checkpointq.store.serde import checkpoint_to_wire
-from checkpointq.tasks.producer.client import SAVE, CheckpointClient
+from checkpointq.tasks.messages import SAVE
+from checkpointq.tasks.producer.client import CheckpointClient
 from tests.support.servers import RedisServer
 
 SIZE = 20_000

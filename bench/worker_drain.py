@@ -1,12 +1,18 @@
-"""End-to-end drain rate of one worker (prefork, concurrency 2): applied saves of 20 KB
-checkpoints per second, next to the same worker draining no-op tasks of the same payload.
+"""Drain rates: how fast one worker empties a queue of ready-made save messages.
 
-    .venv/bin/python bench/worker_drain.py [--messages 2000] [--size 20000]
+    .venv/bin/python bench/worker_drain.py [--messages 3000] [--size 20000]
 
-Starts private redis-servers (broker and store) and one worker. For each task it fills a
-staging list with ready-made protocol 2 envelopes, RENAMEs it onto the queue in one step,
-and times from the first message taken to the queue drained with nothing unacknowledged
-(acks are late: a message is acknowledged only once its task has run).
+Messages are built once and kept in a list on the broker (``Staged``). Each drain COPYs that
+list to a staging key and RENAMEs it onto the queue in one step, so every worker measured
+drains the very same bytes; the time runs from that release to the queue drained
+with nothing unacknowledged (acks are late: a message is acknowledged only once its task has
+run). The workers:
+
+* ``plain``: stock Celery with our delivery settings and a no-op ``checkpoint.save``
+  (``bench/plain_app.py``), the honest baseline;
+* ``noop``: our worker (task base, consumer, transport, observers) with ``checkpoint.save``
+  replaced by a no-op (``bench/noop_app.py``);
+* ``save``: our production worker.
 """
 
 from __future__ import annotations
@@ -16,30 +22,43 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
 import redis  # noqa: E402
 
+from bench.workload import make_checkpoint  # noqa: E402
 from checkpointq.store.keys import KeySpace  # noqa: E402
-from checkpointq.store.serde import checkpoint_to_wire  # noqa: E402
-from tests.support.checkpoints import checkpoint_of_size  # noqa: E402
+from checkpointq.store.serde import serialize_checkpoint  # noqa: E402
+from checkpointq.tasks import messages as contract  # noqa: E402
+from tests.support.celery_processes import CeleryProcess, checkpointq_env  # noqa: E402
+from tests.support.envelopes import protocol2  # noqa: E402
 from tests.support.servers import RedisServer  # noqa: E402
-from tests.worker.celery_processes import CeleryProcess, checkpointq_env  # noqa: E402
-from tests.worker.envelopes import protocol2  # noqa: E402
 
 QUEUE = "checkpoints"
 STAGING = "bench-staging"
-APPLY_BATCH = "checkpoint.apply_batch"
+
+#: Worker kinds (see the module docstring) -> the Celery app they run.
+APPS = {"plain": "bench.plain_app", "noop": "bench.noop_app", "save": "checkpointq.worker.app"}
 
 
 @contextmanager
 def running_worker(
-    broker: RedisServer, store: RedisServer, pool: str, concurrency: int
+    broker: RedisServer,
+    store: RedisServer,
+    pool: str = "prefork",
+    concurrency: int = 2,
+    kind: str = "save",
+    settings: dict[str, object] | None = None,
 ) -> Iterator[CeleryProcess]:
-    """One worker of ``bench.noop_app`` (the real app plus ``checkpoint.noop``)."""
+    """One worker of ``kind`` on ``broker``'s ``QUEUE``, stopped afterwards.
+
+    ``settings`` are further ``CHECKPOINTQ_*`` settings for our workers.
+    """
     env = checkpointq_env(
         broker_url=broker.url,
         store_url=store.url,
@@ -47,89 +66,141 @@ def running_worker(
         pool=pool,
         concurrency=concurrency,
         log_level="WARNING",
+        **(settings or {}),
     )
-    worker = CeleryProcess("worker", env, app="bench.noop_app")
-    worker.start(ready="ready.")
+    env.update(BENCH_BROKER_URL=broker.url, BENCH_QUEUE=QUEUE)
+    extra = ["-P", pool, "-c", str(concurrency)] if kind == "plain" else []
+    worker = CeleryProcess("worker", env, app=APPS[kind], extra_args=extra)
+    worker.start(ready="ready.", timeout=60)
     try:
         yield worker
     finally:
         worker.stop()
 
 
-def release_and_time_drain(client: redis.Redis, messages: int) -> float:
-    """Move the staged messages into the queue at once; seconds from the first one taken
-    until the queue is empty with nothing left unacknowledged."""
-    client.rename(STAGING, QUEUE)
-    while client.llen(QUEUE) >= messages:
-        time.sleep(0.001)
-    start = time.perf_counter()
-    while client.llen(QUEUE) or client.hlen("unacked"):
-        time.sleep(0.005)
-    return time.perf_counter() - start
+@dataclass(frozen=True, slots=True)
+class Staged:
+    """Messages kept on the broker at ``key``, released onto the queue as often as needed."""
+
+    key: str
+    messages: int
+    #: Saves each message carries (``apply_batch`` messages carry many).
+    saves_per_message: int
+    envelope_bytes: int
+
+    def release_and_time_drain(self, client: redis.Redis) -> float:
+        """Copy the messages onto the queue at once; seconds from then until the queue is
+        empty with nothing left unacknowledged (the idle worker waits in BRPOP: it takes the
+        first message at once)."""
+        client.copy(self.key, STAGING, replace=True)
+        start = time.perf_counter()
+        client.rename(STAGING, QUEUE)
+        while client.llen(QUEUE) or client.hlen("unacked"):
+            time.sleep(0.002)
+        return time.perf_counter() - start
+
+    def rate(self, client: redis.Redis, label: str = "") -> float:
+        """Saves per second of one release."""
+        elapsed = self.release_and_time_drain(client)
+        rate = self.messages * self.saves_per_message / elapsed
+        print(
+            f"{label or self.key:24} {self.messages} msgs x {self.saves_per_message} saves, "
+            f"~{self.envelope_bytes // self.messages // 1024} KiB envelopes: "
+            f"{elapsed:.2f}s, {rate:,.0f} saves/s",
+            flush=True,
+        )
+        return rate
 
 
-def drain(
-    broker: RedisServer, task: str, messages: int, size: int, tag: str, per_message: int = 1
-) -> float:
-    """Requests per second for ``messages`` messages of ``task``.
+def stage(
+    client: redis.Redis,
+    key: str,
+    messages: int,
+    size: int,
+    tag: str,
+    per_message: int = 0,
+    task: str = contract.SAVE,
+) -> Staged:
+    """Build ``messages`` save messages of ``size``-byte checkpoints into the list ``key``.
 
-    With ``task`` ``checkpoint.apply_batch``, each message carries ``per_message`` saves and
-    the rate counts saves, not messages.
+    With ``per_message`` > 0 each message is a ``checkpoint.apply_batch`` of that many saves.
+    Session ids are ``<tag>-<i>`` (``<tag>-<i>-<n>`` in batches); seqs are increasing.
     """
-    client = broker.client()
+    documents = [serialize_checkpoint(make_checkpoint(f"{tag}-t{n}", size)) for n in range(16)]
+    client.delete(key)
     pipe = client.pipeline(transaction=False)
-    payload_bytes = 0
+    total = 0
     for i in range(messages):
-        if task == APPLY_BATCH:
+        if per_message:
             items = [
-                {
-                    "op": "save",
-                    "checkpoint": checkpoint_to_wire(checkpoint_of_size(f"{tag}-{i}-{n}", size)),
-                    "seq": 1_000 + i,
-                }
+                contract.save_item(_renamed(documents[n % 16], f"{tag}-{i}-{n}"), 1_000 + i)
                 for n in range(per_message)
             ]
-            envelope = protocol2(task, [items], {}, queue=QUEUE)
+            body = contract.body(b"[[" + b",".join(items) + b"]]", b"{}")
+            envelope = protocol2(contract.APPLY_BATCH, [], body=body, queue=QUEUE)
         else:
-            wire = checkpoint_to_wire(checkpoint_of_size(f"{tag}-{i}", size))
-            envelope = protocol2(task, [wire], {"seq": 1_000 + i}, queue=QUEUE)
-        payload_bytes += len(envelope)
-        pipe.lpush(STAGING, envelope)
+            document = _renamed(documents[i % 16], f"{tag}-{i}")
+            envelope = protocol2(
+                task, [], body=contract.save_body(document, 1_000 + i), queue=QUEUE
+            )
+        total += len(envelope)
+        pipe.rpush(key, envelope)
         if i % 200 == 199:
             pipe.execute()
     pipe.execute()
-    elapsed = release_and_time_drain(client, messages)
+    return Staged(key, messages, max(1, per_message), total)
+
+
+def _renamed(document: bytes, session_id: str) -> bytes:
+    """The checkpoint JSON with another session id (ids are the document's first field)."""
+    head, _, rest = document.partition(b'","')
+    if not head.startswith(b'{"sessionId":"'):
+        raise ValueError("expected sessionId first in the Go JSON")
+    return b'{"sessionId":"' + session_id.encode() + b'","' + rest
+
+
+def applied(store: RedisServer, tag: str, messages: int) -> int:
+    """How many of ``stage(..., tag)``'s single saves are in the store."""
+    client = store.client()
+    keys = KeySpace()
+    pipe = client.pipeline(transaction=False)
+    for i in range(messages):
+        pipe.exists(keys.data(f"{tag}-{i}"))
+    found = int(sum(pipe.execute()))
     client.close()
-    rate = messages * (per_message if task == APPLY_BATCH else 1) / elapsed
-    print(
-        f"{task:18} {messages} msgs, ~{payload_bytes // messages // 1024} KiB envelopes: "
-        f"{elapsed:.2f}s, {rate:,.0f}/s",
-        flush=True,
-    )
-    return rate
+    return found
+
+
+def drain(
+    broker: RedisServer, task: str, messages: int, size: int, tag: str, per_message: int = 0
+) -> float:
+    """Stage and drain once (for the sections that need one figure): saves per second."""
+    client = broker.client()
+    try:
+        staged = stage(client, f"bench-{tag}", messages, size, tag, per_message, task)
+        return staged.rate(client, f"{task} {tag}")
+    finally:
+        client.close()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--messages", type=int, default=2000)
+    parser.add_argument("--messages", type=int, default=3000)
     parser.add_argument("--size", type=int, default=20_000, help="checkpoint JSON bytes")
     args = parser.parse_args()
     broker, store = RedisServer().start(), RedisServer().start()
-    env = checkpointq_env(
-        broker_url=broker.url, store_url=store.url, queue=QUEUE, pool="prefork", concurrency=2
-    )
-    worker = CeleryProcess("worker", env, app="bench.noop_app")
+    client = broker.client()
     try:
-        worker.start(ready="ready.")
-        noop = drain(broker, "checkpoint.noop", args.messages, args.size, "noop")
-        save = drain(broker, "checkpoint.save", args.messages, args.size, "save")
-        stored = store.client()
-        keys = KeySpace()
-        applied = sum(1 for i in range(args.messages) if stored.exists(keys.data(f"save-{i}")))
-        print(f"applied saves found in the store: {applied}/{args.messages}")
-        print(f"saves/s {save:,.0f}  no-op/s {noop:,.0f}  ratio save/no-op {save / noop:.2f}")
+        staged = stage(client, "bench-saves", args.messages, args.size, "s")
+        rates = {}
+        for kind in APPS:
+            with running_worker(broker, store, kind=kind):
+                rates[kind] = staged.rate(client, kind)
+        print(f"applied saves found in the store: {applied(store, 's', args.messages)}")
+        for kind, rate in rates.items():
+            print(f"{kind:6} {rate:8,.0f}/s  {rate / rates['plain']:.2f}x plain Celery no-op")
     finally:
-        worker.stop()
+        client.close()
         broker.cleanup()
         store.cleanup()
 

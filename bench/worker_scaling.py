@@ -23,16 +23,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.worker_drain import QUEUE, STAGING, release_and_time_drain  # noqa: E402
+from bench import worker_drain  # noqa: E402
+from bench.worker_drain import QUEUE  # noqa: E402
 from checkpointq.store.keys import KeySpace  # noqa: E402
-from checkpointq.store.serde import checkpoint_to_wire  # noqa: E402
 from checkpointq.tasks.producer.client import CheckpointClient  # noqa: E402
 from checkpointq.worker.settings import Settings  # noqa: E402
-from tests.scale.conftest import RabbitVhost, rabbitmq_available  # noqa: E402
+from tests.support.celery_processes import CeleryProcess, checkpointq_env  # noqa: E402
 from tests.support.checkpoints import checkpoint_of_size  # noqa: E402
+from tests.support.rabbitmq import RabbitVhost, rabbitmq_available  # noqa: E402
 from tests.support.servers import RedisServer  # noqa: E402
-from tests.worker.celery_processes import CeleryProcess, checkpointq_env  # noqa: E402
-from tests.worker.envelopes import protocol2  # noqa: E402
 
 
 def drain_rate(workers: int, concurrency: int, messages: int, size: int) -> tuple[float, int]:
@@ -46,14 +45,8 @@ def drain_rate(workers: int, concurrency: int, messages: int, size: int) -> tupl
         for worker in fleet:
             worker.start(timeout=60)
         client = broker.client()
-        pipe = client.pipeline(transaction=False)
-        for i in range(messages):
-            wire = checkpoint_to_wire(checkpoint_of_size(f"s-{i}", size))
-            pipe.lpush(STAGING, protocol2("checkpoint.save", [wire], {"seq": 1_000 + i}))
-            if i % 500 == 499:
-                pipe.execute()
-        pipe.execute()
-        elapsed = release_and_time_drain(client, messages)
+        staged = worker_drain.stage(client, "bench-saves", messages, size, "s")
+        elapsed = staged.release_and_time_drain(client)
         client.close()
         stored = store.client()
         keys = KeySpace()

@@ -27,14 +27,8 @@ from checkpointq.store.model import validate_session_id
 from checkpointq.store.serde import checkpoint_from_wire, dumps_go
 from checkpointq.tasks import observers, runtime
 from checkpointq.tasks.dead_letters import Reason
+from checkpointq.tasks.messages import APPLY_BATCH, DELETE, MAX_ITEMS, SAVE
 from checkpointq.tasks.seq import accepted_seq
-
-APPLY_BATCH = "checkpoint.apply_batch"
-SAVE = "checkpoint.save"
-DELETE = "checkpoint.delete"
-
-#: Most items one message may carry: a bound on one pipeline's size and one task's time.
-MAX_ITEMS = 1000
 
 _SAVE_FIELDS = frozenset({"op", "checkpoint", "seq"})
 _DELETE_FIELDS = frozenset({"op", "session_id", "seq"})

@@ -1,6 +1,6 @@
 """The checkpoint tasks: validate, call one store method, report a small JSON outcome.
 
-Task names are the message contract (see docs/protocol.md) and never change:
+Task names are the message contract (``checkpointq.tasks.messages``, docs/protocol.md):
 
     checkpoint.save(checkpoint: object, seq: int | None = None)
     checkpoint.delete(session_id: str, seq: int | None = None)
@@ -28,17 +28,13 @@ from celery import Celery, Task
 from checkpointq.store.errors import InvalidInput, StoreUnavailable
 from checkpointq.store.model import validate_session_id
 from checkpointq.store.serde import checkpoint_from_wire
-from checkpointq.tasks import batch, observers, runtime
+from checkpointq.tasks import batch, messages, observers, runtime
 from checkpointq.tasks.dead_letters import Reason
+from checkpointq.tasks.messages import DELETE, EXPIRE_STALE, REFRESH, SAVE, requested_seq
 from checkpointq.tasks.seq import accepted_seq
 from checkpointq.tasks.sweep import sweep
 
 logger = logging.getLogger(__name__)
-
-SAVE = "checkpoint.save"
-DELETE = "checkpoint.delete"
-REFRESH = "checkpoint.refresh"
-EXPIRE_STALE = "checkpoint.expire_stale"
 
 Outcome = dict[str, Any]
 
@@ -149,12 +145,6 @@ def _dead_letter(
     return {"outcome": "dead_lettered", "kind": kind.value, "entry": entry}
 
 
-def _requested_seq(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
-    """The ``seq`` the producer stamped on a save or delete, if it sent a valid one."""
-    seq = kwargs.get("seq", args[1] if len(args) > 1 else None)
-    return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
-
-
 def _observe(
     task: Task,
     outcome: Outcome,
@@ -171,7 +161,7 @@ def _observe(
             outcome=str(outcome.get("outcome")),
             task_id=task.request.id,
             session_id=outcome.get("session_id"),
-            seq=_requested_seq(args, kwargs) if label in ("save", "delete") else None,
+            seq=requested_seq(args, kwargs) if label in ("save", "delete") else None,
             seconds=None if started is None else time.perf_counter() - started,
             stored_bytes=outcome.get("stored_bytes"),
             trimmed=int(outcome.get("trimmed") or 0),
@@ -252,5 +242,5 @@ def register(app: Celery) -> None:
         app.task(name=name, base=CheckpointTask)(fn)
     # Bound: saves and deletes record their task id in the fence; a batch dead-letters its
     # bad items itself, under the batch's task id.
-    for name, bound in ((SAVE, save), (DELETE, delete), (batch.APPLY_BATCH, batch.apply_batch)):
+    for name, bound in ((SAVE, save), (DELETE, delete), (messages.APPLY_BATCH, batch.apply_batch)):
         app.task(name=name, base=CheckpointTask, bind=True)(bound)

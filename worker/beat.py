@@ -12,7 +12,7 @@ from typing import Any
 
 from checkpointq.store.keys import KeySpace
 from checkpointq.store.urls import redis_py_url
-from checkpointq.tasks.checkpoints import EXPIRE_STALE
+from checkpointq.tasks.messages import EXPIRE_STALE
 from checkpointq.worker.settings import Settings
 
 #: Name of the sweep's schedule entry.

@@ -24,7 +24,7 @@ from celery import signals
 from celery.worker.consumer import Consumer
 
 from checkpointq.store.errors import StoreUnavailable
-from checkpointq.tasks import observers, runtime
+from checkpointq.tasks import messages, observers, runtime
 from checkpointq.tasks.dead_letters import Reason
 from checkpointq.worker import transport
 
@@ -43,28 +43,20 @@ def _describe(message: Message) -> tuple[str | None, str | None]:
         payload = json.loads(message.body)
     except (TypeError, ValueError):
         return None, None
-    if isinstance(payload, dict):
+    if isinstance(payload, dict):  # protocol 1: the task name and id are in the body
         return payload.get("task"), payload.get("id")
     return None, None
 
 
 def _arguments(message: Message) -> tuple[list[Any] | None, dict[str, Any] | None]:
     """The call's args and kwargs if the body is JSON in protocol 2 or 1 shape."""
-    if message.content_type != "application/json":
+    if message.content_type != messages.JSON:
         return None, None
     try:
-        body = json.loads(message.body)
+        parsed = messages.arguments(json.loads(message.body))
     except (TypeError, ValueError):
         return None, None
-    if isinstance(body, list) and len(body) == 3:  # protocol 2: [args, kwargs, embed]
-        args, kwargs = body[0], body[1]
-    elif isinstance(body, dict):  # protocol 1
-        args, kwargs = body.get("args", []), body.get("kwargs", {})
-    else:
-        return None, None
-    if isinstance(args, list) and isinstance(kwargs, dict):
-        return args, kwargs
-    return None, None
+    return parsed or (None, None)
 
 
 def _raw(message: Message) -> bytes:
@@ -88,7 +80,7 @@ _STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
 
 def _json_depth(message: Message) -> int:
     """How deeply a JSON body nests (0 for other content types), without decoding it."""
-    if message.content_type != "application/json" or not message.body:
+    if message.content_type != messages.JSON or not message.body:
         return 0
     body = message.body if isinstance(message.body, bytes) else str(message.body).encode()
     brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)

@@ -34,16 +34,17 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 
 from checkpointq.store.base import Fence
 from checkpointq.store.model import Checkpoint, validate_session_id
-from checkpointq.tasks.batch import APPLY_BATCH, MAX_ITEMS
+from checkpointq.tasks import messages
 from checkpointq.tasks.errors import BrokerUnavailable
-from checkpointq.tasks.producer import fast_publish
-from checkpointq.tasks.producer.client import DELETE, SAVE, CheckpointClient, Handle
+from checkpointq.tasks.messages import APPLY_BATCH, DELETE, MAX_ITEMS, SAVE
+from checkpointq.tasks.producer.client import CheckpointClient, Handle
 from checkpointq.tasks.producer.outcomes import RequestOutcome
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class BatchingClient:
 
         Args:
             window_ms: longest a request waits for others before its batch is published.
-            max_items: most requests per message (at most ``checkpointq.tasks.batch.MAX_ITEMS``).
+            max_items: most requests per message (at most ``checkpointq.tasks.messages.MAX_ITEMS``).
             max_bytes: largest message body; default the client's ``max_message_bytes``
                 (the worker dead-letters larger ones).
         """
@@ -106,22 +107,25 @@ class BatchingClient:
             BrokerUnavailable: an earlier batch could not be published, or this one.
         """
         cp, document = self.client.encode(checkpoint)
-        template = b'{"op":"save","checkpoint":%s,"seq":%d}'
-        return self._add(SAVE, cp.session_id, template, document, after)
+        return self._add(SAVE, cp.session_id, messages.save_item, document, after)
 
     def delete(self, session_id: str, *, after: int | None = None) -> Handle:
         """Add a delete to the open batch; return at once."""
         validate_session_id(session_id)
         sid = orjson.dumps(session_id)
-        template = b'{"op":"delete","session_id":%s,"seq":%d}'
-        return self._add(DELETE, session_id, template, sid, after)
+        return self._add(DELETE, session_id, messages.delete_item, sid, after)
 
     def refresh(self, session_id: str) -> Handle:
         """Refreshes carry no ``seq`` and are not batched: published at once."""
         return self.client.refresh(session_id)
 
     def _add(
-        self, task: str, session_id: str, template: bytes, payload: bytes, after: int | None
+        self,
+        task: str,
+        session_id: str,
+        item_of: Callable[[bytes, int], bytes],
+        payload: bytes,
+        after: int | None,
     ) -> Handle:
         self._raise_pending_error()
         item = b""
@@ -134,7 +138,7 @@ class BatchingClient:
                 if not item:
                     # Stamped under the lock: items join batches in seq order.
                     seq = self.client.clock.next(session_id, after)
-                    item = template % (payload, seq)
+                    item = item_of(payload, seq)
                     if len(item) + 1 > self.max_bytes:
                         break
                 room = len(self._items) < self.max_items
@@ -151,7 +155,7 @@ class BatchingClient:
                 return handle
         # Alone larger than a batch may be: publish it as the single request it is.
         self.flush()
-        body = fast_publish.body(b"[" + payload + b"]", b'{"seq":%d}' % seq)
+        body = messages.body(b"[" + payload + b"]", messages.seq_kwargs(seq))
         argsrepr = f"[<{task.removeprefix('checkpoint.')} {session_id!r}>]"
         task_id = self.client.send_encoded(task, body, argsrepr, f"{{'seq': {seq}}}")
         return Handle(task_id, task, session_id, seq)
@@ -187,7 +191,7 @@ class BatchingClient:
                 self._items, self._size, self._saves = [], 0, 0
             if not items:
                 return
-            body = fast_publish.body(b"[[" + b",".join(items) + b"]]", b"{}")
+            body = messages.body(b"[[" + b",".join(items) + b"]]", b"{}")
             argsrepr = f"[<{len(items)} items: {saves} saves, {len(items) - saves} deletes>]"
             self.client.send_encoded(APPLY_BATCH, body, argsrepr, "{}", task_id=task_id)
 

@@ -31,17 +31,14 @@ from checkpointq.store.model import Checkpoint, validate_session_id
 from checkpointq.store.redis import RedisStore
 from checkpointq.store.serde import checkpoint_from_wire, dumps_go, serialize_checkpoint
 from checkpointq.store.urls import kombu_url, redact_url
-from checkpointq.tasks import brokers
+from checkpointq.tasks import brokers, messages
 from checkpointq.tasks.errors import BrokerUnavailable, RequestRefused
+
+# The task names are the contract (docs/protocol.md); the client does not import the tasks.
+from checkpointq.tasks.messages import DELETE, EXPIRE_STALE, REFRESH, SAVE
 from checkpointq.tasks.producer import fast_publish
 from checkpointq.tasks.producer.clock import SeqClock, seq_clock
 from checkpointq.tasks.producer.outcomes import RequestOutcome, decide
-
-# The task names are the contract (docs/protocol.md); the client does not import the tasks.
-SAVE = "checkpoint.save"
-DELETE = "checkpoint.delete"
-REFRESH = "checkpoint.refresh"
-EXPIRE_STALE = "checkpoint.expire_stale"
 
 #: How hard a publish tries while the broker is unreachable (kombu retry policy): about
 #: three seconds in all, then BrokerUnavailable.
@@ -194,7 +191,7 @@ class CheckpointClient:
         seq = self.clock.next(cp.session_id, after)
         argsrepr = f"[<checkpoint {cp.session_id!r} v{cp.version}, {len(document)} bytes>]"
         kwargsrepr = f"{{'seq': {seq}}}"
-        body = fast_publish.body(b"[" + document + b"]", b'{"seq":%d}' % seq)
+        body = messages.save_body(document, seq)
         task_id = self.send_encoded(SAVE, body, argsrepr, kwargsrepr)
         return Handle(task_id, SAVE, cp.session_id, seq)
 
@@ -239,7 +236,7 @@ class CheckpointClient:
         """
         argsrepr, kwargsrepr = _brief.repr(args), _brief.repr(kwargs)
         if (publisher := self._publisher) is not None:
-            body = fast_publish.body(dumps_go(args), dumps_go(kwargs))
+            body = messages.body(dumps_go(args), dumps_go(kwargs))
             return publisher.publish(task, body, argsrepr, kwargsrepr)
         return self._send_task(task, args, kwargs, argsrepr, kwargsrepr)
 
@@ -251,7 +248,7 @@ class CheckpointClient:
         kwargsrepr: str = "{}",
         task_id: str | None = None,
     ) -> str:
-        """Publish ``task`` with a ready-made protocol 2 body (``fast_publish.body``).
+        """Publish ``task`` with a ready-made protocol 2 body (``messages.body``).
 
         On a Redis broker the bytes go out as they are; other brokers get them decoded and
         published through Celery (which encodes them again).

@@ -38,20 +38,12 @@ from redis.retry import Retry
 from checkpointq.store.urls import is_redis_url, redact_url, redis_py_url
 from checkpointq.tasks.errors import BrokerUnavailable
 
-#: The ``embed`` part of a protocol 2 body, as ``send_task`` writes it for a plain call.
-EMBED = b'{"callbacks":null,"errbacks":null,"chain":null,"chord":null}'
-
 _RETRYABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError)
 
 
 def supports(broker_url: str) -> bool:
     """Whether ``broker_url`` names a plain Redis broker this module can publish to."""
     return is_redis_url(broker_url)
-
-
-def body(args_json: bytes, kwargs_json: bytes) -> bytes:
-    """A protocol 2 body, ``[args, kwargs, embed]``, from already-encoded JSON parts."""
-    return b"".join((b"[", args_json, b",", kwargs_json, b",", EMBED, b"]"))
 
 
 class _Template:

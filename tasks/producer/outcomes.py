@@ -15,11 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from checkpointq.store.base import Fence
+from checkpointq.tasks.messages import SAVE
 
 APPLIED = "applied"
 SUPERSEDED = "superseded"
-
-SAVE = "checkpoint.save"
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,10 +13,10 @@ import redis
 
 from checkpointq.tasks.producer.client import CheckpointClient
 from checkpointq.worker.settings import Settings
+from tests.support.celery_processes import REPO, CeleryProcess, checkpointq_env
 from tests.support.metrics import Samples, scrape, value
 from tests.support.servers import RedisServer, free_port
 from tests.support.workers import QUEUE, TEST_WORKER_SETTINGS, wait_redis_queue_drained
-from tests.worker.celery_processes import REPO, CeleryProcess, checkpointq_env
 
 #: Re-exported for the tests here, which import them from this module.
 __all__ = ["QUEUE", "Samples", "System", "scrape", "value"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from tests.ops.conftest import System
+from tests.support.celery_processes import CeleryProcess
 from tests.support.servers import RedisServer, wait_until
-from tests.worker.celery_processes import CeleryProcess
 
 
 def _one_line_failure(system: System, *args: str) -> str:

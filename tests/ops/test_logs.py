@@ -9,9 +9,9 @@ import sys
 from checkpointq.tasks.producer.client import CheckpointClient
 from checkpointq.worker.logs import JsonFormatter
 from tests.ops.conftest import System
+from tests.support.celery_processes import CeleryProcess
 from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import RedisServer, wait_until
-from tests.worker.celery_processes import CeleryProcess
 
 
 def test_a_json_line_redacts_urls_and_keeps_a_traceback_on_its_line() -> None:

@@ -8,8 +8,8 @@ from checkpointq.store.redis import RedisStore
 from checkpointq.store.serde import checkpoint_to_wire
 from tests.ops.conftest import QUEUE, System, scrape, value
 from tests.support.checkpoints import make_checkpoint
+from tests.support.envelopes import protocol2
 from tests.support.servers import wait_until
-from tests.worker.envelopes import protocol2
 
 SAVE = "checkpoint.save"
 MONTH = 31 * 24 * 3600

@@ -19,9 +19,9 @@ from contextlib import contextmanager
 import pyte
 
 from tests.ops.conftest import System
+from tests.support.celery_processes import REPO
 from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import wait_until
-from tests.worker.celery_processes import REPO
 
 COLUMNS, ROWS = 120, 60
 

@@ -12,10 +12,10 @@ import pytest
 import redis
 
 from checkpointq.store import InMemoryStore
-from checkpointq.tasks.batch import APPLY_BATCH
 from checkpointq.tasks.errors import BrokerUnavailable
+from checkpointq.tasks.messages import APPLY_BATCH, DELETE, SAVE
 from checkpointq.tasks.producer.batching import BatchingClient
-from checkpointq.tasks.producer.client import DELETE, SAVE, CheckpointClient
+from checkpointq.tasks.producer.client import CheckpointClient
 from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import RedisServer, free_port, wait_until
 

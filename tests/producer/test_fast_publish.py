@@ -14,8 +14,9 @@ from checkpointq.store import InMemoryStore
 from checkpointq.store.serde import checkpoint_to_wire
 from checkpointq.store.urls import redis_py_url
 from checkpointq.tasks.errors import BrokerUnavailable
+from checkpointq.tasks.messages import SAVE
 from checkpointq.tasks.producer import fast_publish
-from checkpointq.tasks.producer.client import SAVE, CheckpointClient
+from checkpointq.tasks.producer.client import CheckpointClient
 from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import RedisServer, free_port
 

@@ -7,10 +7,6 @@ and on the machine's RabbitMQ a vhost of our own, created for the session and de
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -20,16 +16,15 @@ import redis
 
 from checkpointq.tasks.producer.client import CheckpointClient
 from checkpointq.worker.settings import Settings
+from tests.support.celery_processes import CeleryProcess, checkpointq_env
+from tests.support.rabbitmq import RabbitVhost, rabbitmq_available
 from tests.support.sentinel import SentinelGroup
 from tests.support.servers import RedisServer, wait_until
 from tests.support.workers import QUEUE, TEST_WORKER_SETTINGS
-from tests.worker.celery_processes import CeleryProcess, checkpointq_env
 
 #: Worker settings shared by the scale tests: the shortest visibility timeout the settings
 #: allow (a message held by a dead broker connection comes back soon).
 WORKER_SETTINGS: dict[str, object] = {**TEST_WORKER_SETTINGS, "visibility_timeout": 10}
-
-RABBIT_HOST, RABBIT_PORT = "127.0.0.1", 5672
 
 
 class BrokerProbe(Protocol):
@@ -51,53 +46,6 @@ class RedisQueueProbe:
             return int(client.llen(QUEUE)) + int(client.hlen("unacked"))
         finally:
             client.close()
-
-
-@dataclass
-class RabbitVhost:
-    """A vhost of our own on the machine's RabbitMQ, managed with ``rabbitmqctl``."""
-
-    name: str = field(default_factory=lambda: f"cq-test-{uuid.uuid4().hex[:10]}")
-
-    @property
-    def url(self) -> str:
-        return f"amqp://guest:guest@{RABBIT_HOST}:{RABBIT_PORT}/{self.name}"
-
-    def create(self) -> RabbitVhost:
-        _rabbitmqctl("add_vhost", self.name)
-        _rabbitmqctl("set_permissions", "-p", self.name, "guest", ".*", ".*", ".*")
-        return self
-
-    def delete(self) -> None:
-        _rabbitmqctl("delete_vhost", self.name)
-
-    def pending(self) -> int:
-        """Ready plus unacknowledged messages of our queue (0 before it exists)."""
-        out = _rabbitmqctl(
-            "list_queues", "-p", self.name, "-q", "--no-table-headers", "name", "messages"
-        )
-        for line in out.splitlines():
-            name, _, count = line.strip().partition("\t")
-            if name == QUEUE:
-                return int(count)
-        return 0
-
-
-def _rabbitmqctl(*args: str) -> str:
-    done = subprocess.run(
-        ["rabbitmqctl", *args], check=True, capture_output=True, text=True, timeout=60
-    )
-    return done.stdout
-
-
-def rabbitmq_available() -> bool:
-    if shutil.which("rabbitmqctl") is None:
-        return False
-    try:
-        with socket.create_connection((RABBIT_HOST, RABBIT_PORT), timeout=1):
-            return True
-    except OSError:
-        return False
 
 
 @dataclass

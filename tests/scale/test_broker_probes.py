@@ -20,12 +20,13 @@ import redis
 
 from checkpointq.tasks.producer.client import CheckpointClient
 from checkpointq.worker.settings import Settings
-from tests.scale.conftest import WORKER_SETTINGS, RabbitVhost
+from tests.scale.conftest import WORKER_SETTINGS
+from tests.support.celery_processes import REPO, CeleryProcess, checkpointq_env
 from tests.support.checkpoints import make_checkpoint
 from tests.support.metrics import scrape, value
+from tests.support.rabbitmq import RabbitVhost
 from tests.support.sentinel import MASTER_NAME, SentinelGroup
 from tests.support.servers import RedisServer, free_port, wait_until
-from tests.worker.celery_processes import REPO, CeleryProcess, checkpointq_env
 
 pytestmark = pytest.mark.integration
 

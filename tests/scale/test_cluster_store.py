@@ -20,10 +20,10 @@ from checkpointq.store.keys import ClusterKeySpace
 from checkpointq.store.redis import RedisStore
 from checkpointq.tasks.producer.client import CheckpointClient
 from tests.scale.conftest import Fleet, RedisQueueProbe, wait_drained
+from tests.support.celery_processes import REPO, CeleryProcess
 from tests.support.checkpoints import make_checkpoint
 from tests.support.cluster import LocalCluster
 from tests.support.servers import RedisServer, wait_until
-from tests.worker.celery_processes import REPO, CeleryProcess
 
 pytestmark = pytest.mark.integration
 

@@ -18,14 +18,14 @@ from checkpointq.store.base import StoreOptions
 from checkpointq.store.keys import KeySpace
 from checkpointq.store.redis import RedisStore
 from checkpointq.store.serde import checkpoint_to_wire
-from checkpointq.tasks.producer.client import DELETE, EXPIRE_STALE, SAVE
+from checkpointq.tasks.messages import DELETE, EXPIRE_STALE, SAVE
 from checkpointq.worker.ops.health import live_workers
 from tests.scale.conftest import Fleet, RedisQueueProbe, wait_drained
 from tests.scale.load import all_applied, expected_state, mismatches, mixed_load
 from tests.support.checkpoints import make_checkpoint
+from tests.support.envelopes import protocol2
 from tests.support.servers import RedisServer, wait_until
 from tests.support.workers import QUEUE
-from tests.worker.envelopes import protocol2
 
 pytestmark = pytest.mark.integration
 

@@ -20,10 +20,12 @@ from kombu.messaging import Producer
 from checkpointq.store.keys import KeySpace
 from checkpointq.store.serde import checkpoint_to_wire
 from checkpointq.tasks.dead_letters import DeadLetters, Reason
-from checkpointq.tasks.producer.client import DELETE, SAVE, CheckpointClient
-from tests.scale.conftest import Fleet, RabbitVhost, wait_drained
+from checkpointq.tasks.messages import DELETE, SAVE
+from checkpointq.tasks.producer.client import CheckpointClient
+from tests.scale.conftest import Fleet, wait_drained
 from tests.scale.load import all_applied, expected_state, mismatches, mixed_load
 from tests.support.checkpoints import make_checkpoint
+from tests.support.rabbitmq import RabbitVhost
 from tests.support.servers import RedisServer, wait_until
 from tests.support.workers import QUEUE
 

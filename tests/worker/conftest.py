@@ -16,9 +16,9 @@ from checkpointq.store.keys import KeySpace
 from checkpointq.tasks.dead_letters import DeadLetters
 from checkpointq.tasks.producer.client import CheckpointClient
 from checkpointq.worker.settings import Settings
+from tests.support.celery_processes import CeleryProcess, checkpointq_env
 from tests.support.servers import RedisServer
 from tests.support.workers import TEST_WORKER_SETTINGS, wait_redis_queue_drained
-from tests.worker.celery_processes import CeleryProcess, checkpointq_env
 
 #: Worker settings for the end-to-end tests: quick retries, a small message limit.
 WORKER_SETTINGS = TEST_WORKER_SETTINGS

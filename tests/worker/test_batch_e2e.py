@@ -6,8 +6,8 @@ import orjson
 import pytest
 
 from checkpointq.store.serde import checkpoint_to_wire
-from checkpointq.tasks.batch import APPLY_BATCH
-from checkpointq.tasks.producer import fast_publish
+from checkpointq.tasks import messages
+from checkpointq.tasks.messages import APPLY_BATCH
 from checkpointq.tasks.producer.batching import BatchingClient
 from tests.support.checkpoints import make_checkpoint
 from tests.worker.conftest import Deployment
@@ -43,9 +43,7 @@ def test_a_bad_item_is_dead_lettered_alone_while_the_rest_apply(live: Deployment
         {"op": "save", "checkpoint": good[1], "seq": 12},
     ]
     with live.checkpoint_client() as client:
-        client.send_encoded(
-            APPLY_BATCH, fast_publish.body(orjson.dumps([items]), b"{}"), "[<3 items>]"
-        )
+        client.send_encoded(APPLY_BATCH, messages.body(orjson.dumps([items]), b"{}"), "[<3 items>]")
         live.wait_drained()
         # Then both good items applied
         assert sorted(client.list()) == ["mixed-0", "mixed-1"]

@@ -13,7 +13,7 @@ from checkpointq.store.base import BatchOp, BatchResult
 from checkpointq.store.errors import StoreUnavailable
 from checkpointq.store.memory import InMemoryStore
 from checkpointq.store.serde import checkpoint_to_wire
-from checkpointq.tasks import batch, checkpoints, observers, runtime
+from checkpointq.tasks import batch, checkpoints, messages, observers, runtime
 from tests.support.checkpoints import make_checkpoint
 from tests.worker.test_task_policy import install
 
@@ -48,7 +48,7 @@ def app() -> Iterator[Celery]:
 
 
 def run_batch(app: Celery, items: Any) -> Any:
-    return app.tasks[batch.APPLY_BATCH].apply(args=[items]).result
+    return app.tasks[messages.APPLY_BATCH].apply(args=[items]).result
 
 
 def save(session_id: str, seq: int, version: int = 1) -> dict[str, Any]:
@@ -109,10 +109,10 @@ def test_a_bad_item_is_dead_lettered_alone_and_the_rest_apply(
     }
     first = letters["item 1 of checkpoint.apply_batch"]
     # As the single request it stands for, with its own raw payload: replayable alone
-    assert first.task == checkpoints.SAVE and first.kind == "invalid_input"
+    assert first.task == messages.SAVE and first.kind == "invalid_input"
     assert first.args == [bad_checkpoint["checkpoint"]] and first.kwargs == {"seq": 21}
-    assert letters["item 3 of checkpoint.apply_batch"].task == checkpoints.DELETE
-    assert letters["item 2 of checkpoint.apply_batch"].task == batch.APPLY_BATCH
+    assert letters["item 3 of checkpoint.apply_batch"].task == messages.DELETE
+    assert letters["item 2 of checkpoint.apply_batch"].task == messages.APPLY_BATCH
     # And the observers heard of every item, as saves and deletes
     assert [(o.task, o.outcome) for o in seen] == [
         ("save", "applied"),
@@ -131,12 +131,12 @@ def test_an_unavailable_store_retries_the_whole_batch_and_records_each_bad_item_
     store = FlakyStore(failures=2)
     rt = install(store, redis, retries=5)
     # When the batch runs (Celery applies retries in-process, eagerly)
-    app.tasks[batch.APPLY_BATCH].apply(args=[[save("r", 30), {"op": "delete", "seq": 31}]])
+    app.tasks[messages.APPLY_BATCH].apply(args=[[save("r", 30), {"op": "delete", "seq": 31}]])
     # Then it applied on the third attempt, and the bad item was dead-lettered once
     assert store.calls == 3
     assert store.load("r") is not None
     (letter,) = rt.dead_letters.list().entries
-    assert letter.task == checkpoints.DELETE and letter.kind == "invalid_input"
+    assert letter.task == messages.DELETE and letter.kind == "invalid_input"
 
 
 def test_items_that_are_not_a_list_dead_letter_the_message(
@@ -146,7 +146,7 @@ def test_items_that_are_not_a_list_dead_letter_the_message(
     outcome = run_batch(app, {"op": "save"})
     assert outcome["outcome"] == "dead_lettered" and outcome["kind"] == "invalid_input"
     (letter,) = rt.dead_letters.list().entries
-    assert letter.task == batch.APPLY_BATCH
+    assert letter.task == messages.APPLY_BATCH
 
 
 def test_parse_item_refuses_unknown_fields() -> None:

@@ -9,9 +9,9 @@ import pytest
 from checkpointq.store.keys import KeySpace
 from checkpointq.tasks.producer.client import CheckpointClient
 from checkpointq.worker.settings import Settings
+from tests.support.celery_processes import CeleryProcess, checkpointq_env
 from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import RedisServer, wait_until
-from tests.worker.celery_processes import CeleryProcess, checkpointq_env
 
 pytestmark = pytest.mark.integration
 

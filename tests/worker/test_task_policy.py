@@ -17,7 +17,7 @@ from checkpointq.store.keys import KeySpace
 from checkpointq.store.memory import InMemoryStore
 from checkpointq.store.model import Checkpoint
 from checkpointq.store.serde import checkpoint_to_wire
-from checkpointq.tasks import checkpoints, runtime
+from checkpointq.tasks import checkpoints, messages, runtime
 from checkpointq.tasks.dead_letters import DeadLetters
 from checkpointq.tasks.policy import RetryPolicy
 from checkpointq.tasks.producer.clock import SeqClock
@@ -76,24 +76,24 @@ def test_save_reports_applied_then_stale_for_an_older_seq(
 ) -> None:
     install(InMemoryStore(), redis)
     wire = checkpoint_to_wire(make_checkpoint("s"))
-    assert apply(app, checkpoints.SAVE, wire, seq=5)["outcome"] == "applied"
-    assert apply(app, checkpoints.SAVE, wire, seq=4)["outcome"] == "stale"
-    assert apply(app, checkpoints.DELETE, "s", seq=6)["outcome"] == "deleted"
-    assert apply(app, checkpoints.REFRESH, "s")["outcome"] == "absent"
+    assert apply(app, messages.SAVE, wire, seq=5)["outcome"] == "applied"
+    assert apply(app, messages.SAVE, wire, seq=4)["outcome"] == "stale"
+    assert apply(app, messages.DELETE, "s", seq=6)["outcome"] == "deleted"
+    assert apply(app, messages.REFRESH, "s")["outcome"] == "absent"
 
 
 def test_invalid_input_is_dead_lettered_without_retry(
     app: Celery, redis: fakeredis.FakeRedis
 ) -> None:
     rt = install(InMemoryStore(), redis)
-    outcome = apply(app, checkpoints.DELETE, "ok", seq=True)
+    outcome = apply(app, messages.DELETE, "ok", seq=True)
     assert outcome["outcome"] == "dead_lettered" and outcome["kind"] == "invalid_input"
     (letter,) = rt.dead_letters.list().entries
-    assert letter.task == checkpoints.DELETE and letter.args == ["ok"]
+    assert letter.task == messages.DELETE and letter.args == ["ok"]
     assert letter.kwargs == {"seq": True} and letter.retries == 0 and letter.replayable
 
 
-@pytest.mark.parametrize("task", [checkpoints.SAVE, checkpoints.DELETE])
+@pytest.mark.parametrize("task", [messages.SAVE, messages.DELETE])
 def test_a_seq_far_ahead_of_the_worker_clock_is_dead_lettered_with_the_reason(
     app: Celery, redis: fakeredis.FakeRedis, task: str
 ) -> None:
@@ -101,13 +101,13 @@ def test_a_seq_far_ahead_of_the_worker_clock_is_dead_lettered_with_the_reason(
     rt = install(InMemoryStore(), redis)
     now = time.time_ns() // 1000
     wire = checkpoint_to_wire(make_checkpoint("s", version=1))
-    assert apply(app, checkpoints.SAVE, wire, seq=now)["outcome"] == "applied"
-    first = wire if task == checkpoints.SAVE else "s"
+    assert apply(app, messages.SAVE, wire, seq=now)["outcome"] == "applied"
+    first = wire if task == messages.SAVE else "s"
     # When a producer whose clock is an hour ahead sends a request, and one a minute ahead
     ahead = apply(app, task, first, seq=now + 3600 * 1_000_000)
     near = apply(
         app,
-        checkpoints.SAVE,
+        messages.SAVE,
         checkpoint_to_wire(make_checkpoint("s", version=2)),
         seq=now + 60 * 1_000_000,
     )
@@ -126,7 +126,7 @@ def test_unavailable_store_is_retried_then_dead_lettered(
 ) -> None:
     rt = install(DownStore(), redis, retries=2)
     wire = checkpoint_to_wire(make_checkpoint("down"))
-    app.tasks[checkpoints.SAVE].apply(args=[wire], kwargs={"seq": 1})
+    app.tasks[messages.SAVE].apply(args=[wire], kwargs={"seq": 1})
     (letter,) = rt.dead_letters.list().entries
     assert letter.kind == "retries_exhausted" and letter.retries == 2
     assert letter.args == [wire] and letter.kwargs == {"seq": 1}
@@ -144,7 +144,7 @@ def test_bad_request_is_retried_while_its_dead_letter_cannot_be_written(
 ) -> None:
     down = DownStream()
     install(InMemoryStore(), down, retries=2)
-    result = app.tasks[checkpoints.DELETE].apply(args=["ok"], kwargs={"seq": "bad"})
+    result = app.tasks[messages.DELETE].apply(args=["ok"], kwargs={"seq": "bad"})
     # Then the request is not acknowledged as done: it ends failed after its retries ...
     assert result.failed()
     assert isinstance(result.result, StoreUnavailable)

@@ -11,12 +11,12 @@ import pytest
 from checkpointq.store.serde import checkpoint_to_wire
 from checkpointq.tasks.dead_letters import Reason
 from checkpointq.tasks.errors import NotReplayable
-from checkpointq.tasks.producer.client import DELETE, SAVE
+from checkpointq.tasks.messages import DELETE, SAVE
 from tests.support.checkpoints import make_checkpoint
+from tests.support.envelopes import protocol1, protocol2
 from tests.support.servers import wait_until
 from tests.support.workers import QUEUE
 from tests.worker.conftest import Deployment
-from tests.worker.envelopes import protocol1, protocol2
 
 pytestmark = pytest.mark.integration
 

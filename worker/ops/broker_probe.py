@@ -43,6 +43,7 @@ from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel
 
 from checkpointq.store.urls import redact_url, redis_py_url
+from checkpointq.tasks import messages
 from checkpointq.tasks.brokers import BrokerKind, broker_kind
 from checkpointq.tasks.errors import BrokerUnavailable
 from checkpointq.worker.settings import Settings
@@ -326,13 +327,5 @@ def seq_of(envelope: bytes | None) -> int | None:
         body = json.loads(base64.b64decode(message["body"]))
     except (ValueError, KeyError, TypeError):
         return None
-    if isinstance(body, list) and len(body) == 3:
-        args, kwargs = body[0], body[1]
-    elif isinstance(body, dict):
-        args, kwargs = body.get("args", []), body.get("kwargs", {})
-    else:
-        return None
-    seq = kwargs.get("seq") if isinstance(kwargs, dict) else None
-    if seq is None and isinstance(args, list) and len(args) > 1:
-        seq = args[1]
-    return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
+    parsed = messages.arguments(body)
+    return None if parsed is None else messages.requested_seq(*parsed)

@@ -1,0 +1,102 @@
+"""The message contract, in one place: task names, the protocol 2 body and the ``seq`` kwarg.
+
+docs/protocol.md describes it for producers in any language; this module is what our own
+producers, tasks, consumer and probes use to build and read it. A protocol 2 message body is
+the JSON array ``[args, kwargs, embed]``:
+
+    checkpoint.save(checkpoint: object, seq: int | None = None)
+    checkpoint.delete(session_id: str, seq: int | None = None)
+    checkpoint.refresh(session_id: str)
+    checkpoint.expire_stale()
+    checkpoint.apply_batch(items: list)   items: {"op": "save"|"delete", ..., "seq": int}
+
+Task names never change. ``seq`` (µs since the epoch, stamped by the producer) may be passed
+as a keyword or as the second positional argument. Protocol 1 bodies (a JSON object with
+``task``, ``id``, ``args``, ``kwargs``) are still read, for old producers.
+
+Nothing here imports Celery, so the producer side and the worker's main process stay light.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+SAVE = "checkpoint.save"
+DELETE = "checkpoint.delete"
+REFRESH = "checkpoint.refresh"
+EXPIRE_STALE = "checkpoint.expire_stale"
+APPLY_BATCH = "checkpoint.apply_batch"
+
+#: Most items one ``apply_batch`` message may carry: a bound on one pipeline's size and one
+#: task's time.
+MAX_ITEMS = 1000
+
+#: The ``embed`` part of a protocol 2 body, as Celery's ``send_task`` writes it for a plain call.
+EMBED = b'{"callbacks":null,"errbacks":null,"chain":null,"chord":null}'
+
+#: The JSON content type, the only one the worker accepts.
+JSON = "application/json"
+
+Arguments = tuple[list[Any], dict[str, Any]]
+
+
+# -- building --------------------------------------------------------------------------------
+
+
+def body(args_json: bytes, kwargs_json: bytes) -> bytes:
+    """A protocol 2 body, ``[args, kwargs, embed]``, from already-encoded JSON parts."""
+    return b"".join((b"[", args_json, b",", kwargs_json, b",", EMBED, b"]"))
+
+
+def seq_kwargs(seq: int) -> bytes:
+    """``{"seq": seq}`` as JSON."""
+    return b'{"seq":%d}' % seq
+
+
+def save_body(document: bytes, seq: int) -> bytes:
+    """The body of ``checkpoint.save(<document>, seq=seq)``; ``document`` is checkpoint JSON."""
+    return body(b"[" + document + b"]", seq_kwargs(seq))
+
+
+def save_item(document: bytes, seq: int) -> bytes:
+    """One ``apply_batch`` item saving ``document`` (checkpoint JSON)."""
+    return b'{"op":"save","checkpoint":%s,"seq":%d}' % (document, seq)
+
+
+def delete_item(session_id_json: bytes, seq: int) -> bytes:
+    """One ``apply_batch`` item deleting the session whose JSON-encoded id is given."""
+    return b'{"op":"delete","session_id":%s,"seq":%d}' % (session_id_json, seq)
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+
+def arguments(payload: object) -> Arguments | None:
+    """``(args, kwargs)`` of a decoded body in protocol 2 or 1 shape, else None."""
+    if isinstance(payload, list) and len(payload) == 3:  # protocol 2: [args, kwargs, embed]
+        args, kwargs = payload[0], payload[1]
+    elif isinstance(payload, dict):  # protocol 1
+        args, kwargs = payload.get("args", []), payload.get("kwargs", {})
+    else:
+        return None
+    if isinstance(args, list) and isinstance(kwargs, dict):
+        return args, kwargs
+    return None
+
+
+def parse_body(raw: bytes | str | None) -> Arguments | None:
+    """``(args, kwargs)`` of a JSON body in protocol 2 or 1 shape; None if it is neither."""
+    if raw is None:
+        return None
+    try:
+        return arguments(orjson.loads(raw))
+    except orjson.JSONDecodeError:
+        return None
+
+
+def requested_seq(args: list[Any] | tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """The ``seq`` a save or delete was stamped with, if it carries a valid-looking one."""
+    seq = kwargs.get("seq", args[1] if len(args) > 1 else None)
+    return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
