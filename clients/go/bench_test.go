@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"math/rand"
 	"sort"
 	"strings"
 	"testing"
@@ -24,17 +25,24 @@ func BenchmarkEnqueueVsRedisStoreSave(b *testing.B) {
 	broker := newRedigo(env.broker.Addr)
 	defer broker.Close()
 	c := New[Checkpoint](Config{Broker: broker, Queue: queue})
-	encoder, err := zstd.NewWriter(nil, zstd.WithEncoderLevel(zstd.SpeedDefault))
-	if err != nil {
-		b.Fatal(err)
-	}
+	encoder := encoderFor(b)
+	// Prose-like text (seeded random words), which zstd shrinks about as much as real
+	// conversation: a repeated sentence would flatter the store's SET.
+	words := strings.Fields("the agent said that a tool call returned results for search query " +
+		"user asked about weather code review deploy failed retry with backoff token budget " +
+		"summary of the plan next step is to read file and write tests error timeout ok")
+	rnd := rand.New(rand.NewSource(1))
 	var messages []string
 	for i := 0; i < 60; i++ {
-		messages = append(messages, strings.Repeat(fmt.Sprintf("message %d says something. ", i), 12))
+		var text []string
+		for len(strings.Join(text, " ")) < 330 {
+			text = append(text, words[rnd.Intn(len(words))])
+		}
+		messages = append(messages, fmt.Sprintf("message %d: %s", i, strings.Join(text, " ")))
 	}
 	cp := sampleCheckpoint("bench-session", 1, messages...)
 	doc, _ := SerializeCheckpoint(cp)
-	b.Logf("checkpoint: %d bytes of JSON", len(doc))
+	b.Logf("checkpoint: %d bytes of JSON, %d zstd", len(doc), len(encoderFor(b).EncodeAll(doc, nil)))
 
 	redisStoreSave := func() error {
 		data, err := json.Marshal(cp)
@@ -73,6 +81,14 @@ func BenchmarkEnqueueVsRedisStoreSave(b *testing.B) {
 	b.ReportMetric(float64(p50e.Microseconds()), "enqueue-p50-µs")
 	b.ReportMetric(float64(p50s.Microseconds()), "redisstore-save-p50-µs")
 	b.ReportMetric(float64(p50e)/float64(p50s), "enqueue/save")
+}
+
+func encoderFor(b *testing.B) *zstd.Encoder {
+	encoder, err := zstd.NewWriter(nil, zstd.WithEncoderLevel(zstd.SpeedDefault))
+	if err != nil {
+		b.Fatal(err)
+	}
+	return encoder
 }
 
 func median(d []time.Duration) time.Duration {
