@@ -83,10 +83,11 @@ func BenchmarkEnqueueVsRedisStoreSave(b *testing.B) {
 	b.ReportMetric(float64(p50e)/float64(p50s), "enqueue/save")
 }
 
-func encoderFor(b *testing.B) *zstd.Encoder {
+// encoderFor is a zstd encoder at klauspost's default level (SpeedDefault).
+func encoderFor(tb testing.TB) *zstd.Encoder {
 	encoder, err := zstd.NewWriter(nil, zstd.WithEncoderLevel(zstd.SpeedDefault))
 	if err != nil {
-		b.Fatal(err)
+		tb.Fatal(err)
 	}
 	return encoder
 }

@@ -460,3 +460,24 @@ func TestWaitOnWriteGivesReadYourWrites(t *testing.T) {
 		t.Fatalf("Load right after Delete = %+v, %v", got, err)
 	}
 }
+
+func TestLoadReadsWhatAGoRedisStoreWrote(t *testing.T) {
+	// Given values written by Go RedisStores directly: zstd JSON, and plain JSON (older ones)
+	c := newClient[Checkpoint](t, Config{})
+	for name, encode := range map[string]func([]byte) []byte{
+		"zstd":  func(doc []byte) []byte { return encoderFor(t).EncodeAll(doc, nil) },
+		"plain": func(doc []byte) []byte { return doc },
+	} {
+		id := sessionID(t, name)
+		cp := sampleCheckpoint(id, 4, "written by Go")
+		doc, _ := SerializeCheckpoint(cp)
+		if _, err := env.store.Do("SET", DefaultPrefix+":"+id, encode(doc), "EX", 60); err != nil {
+			t.Fatal(err)
+		}
+		// Then Load reads it back (with no fence: nothing went through checkpointq)
+		got, seq, err := c.LoadWithSeq(background(t), id)
+		if err != nil || seq != 0 || normalise(got) != normalise(cp) {
+			t.Fatalf("%s: LoadWithSeq = %+v, %d, %v", name, got, seq, err)
+		}
+	}
+}
