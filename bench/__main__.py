@@ -26,6 +26,7 @@ SECTIONS = {
     "latency": "bench.latency_bench",
     "memory": "bench.memory_bench",
     "sweep": "bench.sweep_bench",
+    "reconcile": "bench.reconcile_bench",
 }
 
 RESULTS = Path(__file__).parent / "results"

@@ -91,7 +91,7 @@ def run(config: RunConfig) -> SectionReport:
     return report
 
 
-class _Population:
+class Population:
     """Writes sessions exactly as ``save.lua`` would, many per pipelined round trip."""
 
     def __init__(self, store: RedisStore, client: redis.Redis) -> None:
@@ -153,7 +153,7 @@ def _measure(sessions: int, size: Sizes, config: RunConfig) -> CountResult:
     with private_redis(*server_args) as client:
         # 30-day sessions, as in production; the store's own key layout and default prefix.
         store = RedisStore(client, options=StoreOptions())
-        population = _Population(store, client)
+        population = Population(store, client)
         started = time.perf_counter()
         # redis-py has no typed wrapper for DEBUG POPULATE (keys unrelated:0, unrelated:1...).
         client.execute_command(  # type: ignore[no-untyped-call]

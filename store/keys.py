@@ -9,6 +9,7 @@ Single Redis (``KeySpace``; prefix ``agentorca-session``, the Go default)::
     agentorca-session.cq:dead-letters   stream of requests that could not be applied
     agentorca-session.cq:refused:<req>  hash: why request <req> was dead-lettered, and where
     agentorca-session.cq:events         stream of expired/deleted session ids
+    agentorca-session.cq:reconcile      hash: where the reconciliation pass stands
 
 A Go-style ``SCAN agentorca-session:*`` therefore sees exactly the checkpoints: our
 bookkeeping lives under ``<prefix>.cq:``, which that pattern cannot match. Keys are only ever
@@ -35,7 +36,7 @@ and the first ``}`` after it. The prefix may not contain braces and the tag is d
 so that is always our tag, whatever follows in the id.
 
 The data key necessarily differs from Go's ``<prefix>:<id>``: Go's ``RedisStore`` cannot read
-or write a cluster layout, and ``reindex`` (which adopts Go-written keys) is single-Redis only.
+or write a cluster layout (reconciliation scans each primary for this layout's ``<prefix>:{*``).
 The shard count is part of the layout: changing it moves every session to another key, so it
 is chosen once per deployment, like the prefix.
 """
@@ -105,7 +106,7 @@ class KeySpace:
         return f"{self.prefix}:{session_id}"
 
     def data_pattern(self) -> str:
-        """The pattern Go's ``List`` scans with; used only by the one-off re-index."""
+        """The pattern Go's ``List`` scans with; the reconciliation pass scans with it too."""
         return f"{self.prefix}:*"
 
     def session_id_from_data_key(self, key: str) -> str:
@@ -138,6 +139,11 @@ class KeySpace:
         """A dead-lettered request's refusal record (kind, reason, entry), by request id, so
         that its producer learns it was refused (short-lived: see ``DeadLetters``)."""
         return f"{self._internal}:refused:{request_id}"
+
+    def reconcile_cursor(self) -> str:
+        """Where the reconciliation pass stands (phase, node or shard, cursor), shared by
+        every worker so that each beat tick carries on from the last (store/reconcile.py)."""
+        return f"{self._internal}:reconcile"
 
     def beat_prefix(self) -> str:
         """Prefix of beat's schedule and lock (celery-redbeat), so that deployments sharing
@@ -190,7 +196,7 @@ class ClusterKeySpace(KeySpace):
         return f"{self.prefix}:{self.tag(self.shard(session_id))}:{session_id}"
 
     def data_pattern(self) -> str:
-        raise NotImplementedError("Go-written keys cannot be adopted on a cluster layout")
+        return f"{self.prefix}:{{*"
 
     def session_id_from_data_key(self, key: str) -> str:
         return key.split("}:", 1)[1]

@@ -29,6 +29,10 @@ _INT64_MAX = 2**63 - 1
 # used as patterns, so such characters cannot reach another session's keys.
 _REFUSED_CATEGORIES = frozenset({"Cc", "Cs", "Cf", "Zl", "Zp"})
 
+# What display_id escapes (besides whitespace), and its short escapes.
+_ESCAPED_CATEGORIES = frozenset({"Cc", "Cs", "Cf", "Zl", "Zp", "Co", "Cn"})
+_SHORT_ESCAPES = {"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"}
+
 _RFC3339 = re.compile(
     r"^(\d{4})-(\d{2})-(\d{2})[Tt](\d{2}):(\d{2}):(\d{2})(\.\d+)?([Zz]|[+-]\d{2}:\d{2})$"
 )
@@ -62,6 +66,25 @@ def validate_session_id(session_id: object) -> str:
                 field="sessionId",
             )
     return session_id
+
+
+def display_id(session_id: str) -> str:
+    """``session_id`` safe to print in a log line or a terminal: unchanged when it holds
+    only visible characters, else with every backslash, whitespace, control, format,
+    separator, private-use and unassigned character escaped as ``\\uXXXX`` (or ``\\t``,
+    ``\\n``, ``\\r``), so no id can forge a log line, hide, or move the cursor."""
+    if session_id.isprintable() and "\\" not in session_id and " " not in session_id:
+        return session_id
+    out: list[str] = []
+    for char in session_id:
+        if char in _SHORT_ESCAPES:
+            out.append(_SHORT_ESCAPES[char])
+        elif char.isspace() or unicodedata.category(char) in _ESCAPED_CATEGORIES:
+            code = ord(char)
+            out.append(f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}")
+        else:
+            out.append(char)
+    return "".join(out)
 
 
 def parse_rfc3339(value: str) -> datetime | None:

@@ -46,6 +46,7 @@ from checkpointq.store.errors import (
 )
 from checkpointq.store.keys import DEFAULT_PREFIX, DEFAULT_SHARDS, ClusterKeySpace, KeySpace
 from checkpointq.store.model import Checkpoint
+from checkpointq.store.reconcile import Reconciler, ReconcileReport
 from checkpointq.store.scripts import Scripts, queue
 from checkpointq.store.serde import deserialize_checkpoint
 from checkpointq.store.urls import redact_url, redis_py_url
@@ -458,35 +459,22 @@ class RedisStore(CheckpointStore):
 
     # -- maintenance --------------------------------------------------------------------
 
-    def reindex(self, batch: int = 1000) -> int:
-        """Index sessions written by the Go store directly (it keeps no index); return count.
+    def reconcile(self, budget: int = 10_000) -> ReconcileReport:
+        """One slice of the continuous reconciliation (``store/reconcile.py``): about
+        ``budget`` keys and index entries looked at, from where the last slice stopped.
 
-        A one-off SCAN of ``<prefix>:*`` for deployments that switch from Go writers: it is
-        the only place checkpointq scans the keyspace. Single Redis only: on a cluster layout
-        the data keys are not Go's, so there is nothing Go wrote that this store could read.
-
-        Raises:
-            InvalidInput: the store uses a cluster layout.
+        Adopts values that other writers (a Go ``RedisStore``) saved without our index,
+        moves deadlines to the values' own, and drops the entries of values deleted
+        directly. The beat runs it every ``CHECKPOINTQ_RECONCILE_INTERVAL_SECONDS``.
         """
-        if not self.keys.go_compatible:
-            raise InvalidInput("reindex adopts Go-written keys; a cluster layout has none")
-        added = 0
-        now_ms = _ms(self.clock())
+        with _store_errors("reconcile"):
+            return Reconciler(self).step(budget)
+
+    def reindex(self) -> int:
+        """The reconciliation pass run to completion, from the start; return how many
+        sessions written by another store alone (Go's ``RedisStore``) it adopted."""
         with _store_errors("reindex"):
-            for keys in _chunks(
-                self.client.scan_iter(self.keys.data_pattern(), count=batch), batch
-            ):
-                pipe = self.client.pipeline(transaction=False)
-                for key in keys:
-                    pipe.pttl(key)
-                ttls = pipe.execute()
-                pipe = self.client.pipeline(transaction=False)
-                for key, ttl in zip(keys, ttls, strict=True):
-                    if ttl is not None and ttl > 0:
-                        session_id = self.keys.session_id_from_data_key(key.decode())
-                        pipe.zadd(self.keys.index(), {session_id: now_ms + ttl}, nx=True)
-                added += sum(pipe.execute())
-        return added
+            return len(Reconciler(self).run_pass().adopted)
 
     def ping(self) -> None:
         """Raise StoreUnavailable unless Redis answers."""
@@ -521,14 +509,3 @@ def _fence(seq: bytes | None, deleted: bytes | None, request_id: bytes | None) -
 
 def _text(value: bytes | None) -> str:
     return "" if value is None else value.decode("utf-8", errors="replace")
-
-
-def _chunks(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
-    chunk: list[Any] = []
-    for item in items:
-        chunk.append(item)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk

@@ -54,6 +54,7 @@ class Scripts:
     refresh: Script
     expire: Script
     load: Script
+    reconcile: Script
 
     @classmethod
     def register(cls, client: Any) -> Scripts:
@@ -63,4 +64,5 @@ class Scripts:
             refresh=client.register_script(script_source("refresh")),
             expire=client.register_script(script_source("expire")),
             load=client.register_script(script_source("load")),
+            reconcile=client.register_script(script_source("reconcile")),
         )

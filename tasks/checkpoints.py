@@ -6,6 +6,7 @@ Task names are the message contract (``checkpointq.tasks.messages``, docs/protoc
     checkpoint.delete(session_id: str, seq: int | None = None)
     checkpoint.refresh(session_id: str)
     checkpoint.expire_stale()
+    checkpoint.reconcile()
     checkpoint.apply_batch(items: list)   (tasks/batch.py)
 
 Policy lives in ``CheckpointTask.__call__`` and the helpers below, not in the task bodies:
@@ -30,7 +31,8 @@ from checkpointq.store.model import validate_session_id
 from checkpointq.store.serde import checkpoint_from_wire
 from checkpointq.tasks import batch, messages, observers, runtime
 from checkpointq.tasks.dead_letters import Reason
-from checkpointq.tasks.messages import DELETE, EXPIRE_STALE, REFRESH, SAVE, requested_seq
+from checkpointq.tasks.messages import DELETE, EXPIRE_STALE, RECONCILE, REFRESH, SAVE, requested_seq
+from checkpointq.tasks.reconcile import reconcile_slice
 from checkpointq.tasks.seq import accepted_seq
 from checkpointq.tasks.sweep import sweep
 
@@ -85,6 +87,12 @@ def expire_stale() -> Outcome:
         events_maxlen=rt.events_maxlen,
     )
     return result.as_json()
+
+
+def reconcile() -> Outcome:
+    """One slice of reconciling the index with what other writers left (beat runs it)."""
+    rt = runtime.current()
+    return reconcile_slice(rt.store, rt.reconcile_budget)
 
 
 # -- policy -------------------------------------------------------------------------------
@@ -238,7 +246,7 @@ class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
 
 def register(app: Celery) -> None:
     """Register the checkpoint tasks on ``app`` under their contract names."""
-    for name, fn in ((REFRESH, refresh), (EXPIRE_STALE, expire_stale)):
+    for name, fn in ((REFRESH, refresh), (EXPIRE_STALE, expire_stale), (RECONCILE, reconcile)):
         app.task(name=name, base=CheckpointTask)(fn)
     # Bound: saves and deletes record their task id in the fence; a batch dead-letters its
     # bad items itself, under the batch's task id.

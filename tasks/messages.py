@@ -8,6 +8,7 @@ the JSON array ``[args, kwargs, embed]``:
     checkpoint.delete(session_id: str, seq: int | None = None)
     checkpoint.refresh(session_id: str)
     checkpoint.expire_stale()
+    checkpoint.reconcile()
     checkpoint.apply_batch(items: list)   items: {"op": "save"|"delete", ..., "seq": int}
 
 Task names never change. ``seq`` (µs since the epoch, stamped by the producer) may be passed
@@ -27,6 +28,7 @@ SAVE = "checkpoint.save"
 DELETE = "checkpoint.delete"
 REFRESH = "checkpoint.refresh"
 EXPIRE_STALE = "checkpoint.expire_stale"
+RECONCILE = "checkpoint.reconcile"
 APPLY_BATCH = "checkpoint.apply_batch"
 
 #: Most items one ``apply_batch`` message may carry: a bound on one pipeline's size and one

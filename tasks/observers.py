@@ -24,7 +24,7 @@ OTHER_TASK = "other"
 
 #: Our task names, without their ``checkpoint.`` prefix: the ``task`` label values. A batch
 #: counts once as ``apply_batch``/``batch``, and each of its items under its own task.
-TASK_LABELS = frozenset({"save", "delete", "refresh", "expire_stale", "apply_batch"})
+TASK_LABELS = frozenset({"save", "delete", "refresh", "expire_stale", "reconcile", "apply_batch"})
 
 
 def task_label(name: str | None) -> str:

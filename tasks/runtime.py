@@ -34,6 +34,8 @@ class Runtime:
     max_seq_ahead_us: int = 300_000_000
     #: Most sessions one sweep expires.
     sweep_limit: int = 10_000
+    #: Keys and index entries one reconciliation slice looks at.
+    reconcile_budget: int = 20_000
     #: Entries kept in the events stream.
     events_maxlen: int = 100_000
 

@@ -131,6 +131,7 @@ def build_runtime(settings: Settings) -> Runtime:
         max_message_bytes=settings.max_message_bytes,
         max_seq_ahead_us=round(settings.max_seq_ahead_seconds * 1_000_000),
         sweep_limit=settings.sweep_limit,
+        reconcile_budget=settings.reconcile_budget,
         events_maxlen=settings.events_maxlen,
     )
 

@@ -1,4 +1,5 @@
-"""Beat: the sweep of expired sessions every ``sweep_interval_seconds``.
+"""Beat: the sweep of expired sessions every ``sweep_interval_seconds``, and a slice of
+reconciliation (store/reconcile.py) every ``reconcile_interval_seconds``.
 
 The schedule lives in Redis (celery-redbeat) rather than in a local state file, and RedBeat
 holds a lock so that a second beat started by mistake waits instead of firing too. Should
@@ -12,11 +13,13 @@ from typing import Any
 
 from checkpointq.store.keys import KeySpace
 from checkpointq.store.urls import redis_py_url
-from checkpointq.tasks.messages import EXPIRE_STALE
+from checkpointq.tasks.messages import EXPIRE_STALE, RECONCILE
 from checkpointq.worker.settings import Settings
 
 #: Name of the sweep's schedule entry.
 SWEEP_ENTRY = "checkpointq-expire-stale"
+#: Name of the reconciliation's schedule entry.
+RECONCILE_ENTRY = "checkpointq-reconcile"
 
 
 def beat_config(settings: Settings) -> dict[str, Any]:
@@ -24,7 +27,7 @@ def beat_config(settings: Settings) -> dict[str, Any]:
     interval = settings.sweep_interval_seconds
     # Beat wakes up at least this often; RedBeat extends its lock on each wake-up, so the
     # lock's lifetime is a few of these: a crashed beat is replaced within seconds.
-    tick = min(interval, 5.0)
+    tick = min(interval, settings.reconcile_interval_seconds, 5.0)
     return {
         "beat_schedule": {
             SWEEP_ENTRY: {
@@ -35,7 +38,16 @@ def beat_config(settings: Settings) -> dict[str, Any]:
                     # A sweep still queued when the next is due is redundant: let it lapse.
                     "expires": interval,
                 },
-            }
+            },
+            RECONCILE_ENTRY: {
+                "task": RECONCILE,
+                "schedule": settings.reconcile_interval_seconds,
+                "options": {
+                    "queue": settings.queue,
+                    # The cursor is in Redis: a lapsed slice is simply done by the next one.
+                    "expires": settings.reconcile_interval_seconds,
+                },
+            },
         },
         "beat_scheduler": "redbeat.RedBeatScheduler",
         # Schedule and lock on a plain Redis: the store's, else (a cluster store, which

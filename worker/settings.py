@@ -105,6 +105,12 @@ class Settings(BaseSettings):
     sweep_interval_seconds: float = Field(default=60.0, gt=0)
     #: Most sessions one sweep expires (the next sweep carries on).
     sweep_limit: int = Field(default=10_000, ge=1)
+    #: Seconds between beat's reconciliation slices (store/reconcile.py): each adopts keys
+    #: other writers (a Go RedisStore) saved alone and drops entries of values they deleted.
+    reconcile_interval_seconds: float = Field(default=10.0, gt=0)
+    #: Keys and index entries one reconciliation slice looks at (the next carries on). A full
+    #: pass over N sessions takes about 2N / budget slices.
+    reconcile_budget: int = Field(default=20_000, ge=1)
     #: Entries kept in the dead-letter stream (oldest trimmed first).
     dead_letter_maxlen: int = Field(default=100_000, ge=100)
     #: Entries kept in the events stream (expired/deleted session ids).

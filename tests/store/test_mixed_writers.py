@@ -91,3 +91,110 @@ def test_a_refresh_after_go_saved_makes_the_deadline_ours_again(real_redis: redi
     # The refresh set the value's expiry to our deadline: expiring it there is what Redis
     # itself would do, so the sweep may delete it.
     assert store.expire_stale() == ["refreshed"]
+
+
+# -- continuous reconciliation -------------------------------------------------------------
+
+
+def reconcile_until_pass_completes(store: RedisStore, budget: int = 1000) -> list[str]:
+    """Run slices as beat would until one completes a pass; return every id adopted."""
+    adopted: list[str] = []
+    for _ in range(10_000):
+        report = store.reconcile(budget)
+        adopted += report.adopted
+        if report.completed_pass:
+            return adopted
+    raise AssertionError("the reconciliation pass never completed")
+
+
+def test_a_session_go_wrote_alone_is_adopted_and_listed(real_redis: redis.Redis) -> None:
+    clock = SteppedClock()
+    store = RedisStore(real_redis, clock=clock)
+    go_save(real_redis, store, "go-only", version=3)
+    assert store.list() == []
+    assert reconcile_until_pass_completes(store) == ["go-only"]
+    assert store.list() == ["go-only"]
+    score = real_redis.zscore(store.keys.index(), "go-only")
+    assert score is not None and score > (clock.now + GO_TTL_SECONDS - 60) * 1000
+    # A second pass finds everything in order.
+    assert reconcile_until_pass_completes(store) == []
+
+
+def test_a_session_go_wrote_alone_is_swept_once_redis_expired_it(real_redis: redis.Redis) -> None:
+    # Given a Go-written session with a short TTL, adopted by reconciliation,
+    clock = SteppedClock()
+    store = RedisStore(real_redis, clock=clock)
+    real_redis.set(store.keys.data("short"), b'{"sessionId":"short","metadata":{}}', px=200)
+    reconcile_until_pass_completes(store)
+    assert store.list() == ["short"]
+    # when Redis has expired it and the sweep runs past its deadline,
+    deadline = time.monotonic() + 10
+    while real_redis.exists(store.keys.data("short")):
+        assert time.monotonic() < deadline, "Redis never expired the key"
+        time.sleep(0.02)
+    clock.now += 1
+    # then the sweep reports it expired, and its entry is gone.
+    assert store.expire_stale() == ["short"]
+    assert real_redis.zcard(store.keys.index()) == 0
+
+
+def test_a_session_go_deleted_leaves_list_and_its_fence_stops_recording_a_value(
+    real_redis: redis.Redis,
+) -> None:
+    store = RedisStore(real_redis)
+    store.save(make_checkpoint("go-del"), seq=1)
+    store.save(make_checkpoint("kept"), seq=1)
+    real_redis.delete(store.keys.data("go-del"))  # Go's Delete: a plain DEL
+    report = store.reconcile(1000)
+    assert report.dropped == ["go-del"] and report.completed_pass
+    assert store.list() == ["kept"]
+    assert real_redis.hget(store.keys.fence("go-del"), "deadline") is None
+    assert real_redis.hget(store.keys.fence("kept"), "deadline") is not None
+
+
+def test_a_deadline_go_moved_is_fixed_to_the_values_own(real_redis: redis.Redis) -> None:
+    clock = SteppedClock()
+    store = RedisStore(real_redis, clock=clock, options=StoreOptions(ttl_seconds=3600))
+    store.save(make_checkpoint("moved"), seq=1)
+    go_save(real_redis, store, "moved", version=2)
+    report = store.reconcile(1000)
+    assert report.moved == ["moved"]
+    score = real_redis.zscore(store.keys.index(), "moved")
+    assert score is not None and score > (clock.now + GO_TTL_SECONDS - 60) * 1000
+    assert store.reconcile(1000).moved == []
+
+
+def test_a_value_without_ttl_is_listed_and_never_swept(real_redis: redis.Redis) -> None:
+    clock = SteppedClock()
+    store = RedisStore(real_redis, clock=clock)
+    real_redis.set(store.keys.data("forever"), b'{"sessionId":"forever","metadata":{}}')
+    assert store.reindex() == 1
+    clock.now += 10 * GO_TTL_SECONDS
+    assert store.list() == ["forever"]
+    assert store.expire_stale() == []
+    assert store.reconcile(1000).as_json()["moved"] == 0
+
+
+def test_slices_carry_on_from_the_cursor_kept_in_redis(real_redis: redis.Redis) -> None:
+    # Given 2000 Go-only sessions beside 3000 unrelated keys,
+    store = RedisStore(real_redis)
+    pipe = real_redis.pipeline(transaction=False)
+    for i in range(2000):
+        pipe.set(store.keys.data(f"g{i}"), b"{}", ex=GO_TTL_SECONDS)
+    for i in range(3000):
+        pipe.set(f"unrelated:{i}", b"x")
+    pipe.execute()
+    # when slices of a small budget run, each from a fresh store object (as in different
+    # worker processes),
+    slices: list[list[str]] = []
+    while True:
+        report = RedisStore(real_redis).reconcile(500)
+        slices.append(report.adopted)
+        assert report.examined <= 4 * 500  # SCAN's COUNT is a hint; bounded all the same
+        if report.completed_pass:
+            break
+    # then the pass took many slices and adopted every session once.
+    adopted = [sid for part in slices for sid in part]
+    assert len(slices) > 5
+    assert sorted(adopted) == sorted(f"g{i}" for i in range(2000))
+    assert len(store.list()) == 2000

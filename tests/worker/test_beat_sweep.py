@@ -1,4 +1,5 @@
-"""Beat's sweep, end to end: two real beats, a real worker, sessions with a 1 s lifetime."""
+"""Beat's sweep and reconciliation, end to end: two real beats, a real worker, sessions
+with a 1 s lifetime, and keys written behind the store's back as a Go RedisStore does."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ SHORT_LIVED: dict[str, object] = {
     "visibility_timeout": 10,
     "retry_backoff_max_seconds": 1,
     "sweep_interval_seconds": 1,
+    "reconcile_interval_seconds": 1,
 }
 
 
@@ -84,3 +86,22 @@ def test_beat_sweep_expires_short_lived_sessions_and_announces_each_once(
         prefix = KeySpace(settings.key_prefix).beat_prefix()
         assert redis.exists(f"{prefix}:lock", f"{prefix}:schedule") == 2
         assert list(redis.scan_iter("redbeat*")) == []
+
+
+def test_beat_reconciliation_adopts_go_written_sessions_and_drops_go_deleted_ones(
+    short_lived: tuple[Settings, list[CeleryProcess]],
+) -> None:
+    settings, _processes = short_lived
+    with CheckpointClient.from_settings(settings) as client:
+        redis = client.store.client  # type: ignore[attr-defined]
+        keys = KeySpace(settings.key_prefix)
+        # Given a session a Go RedisStore saved directly (SET EX 30 d, no index entry)
+        go_value = b'{"sessionId":"go-only","version":4,"metadata":{}}'
+        redis.set(keys.data("go-only"), go_value, ex=30 * 24 * 3600)
+        # When beat's reconciliation slices run, Then it is listed
+        wait_until(lambda: "go-only" in client.list(), timeout=20, message="adoption")
+        loaded = client.load("go-only")
+        assert loaded is not None and loaded.version == 4
+        # And when Go deletes it directly (DEL), it leaves the list again
+        redis.delete(keys.data("go-only"))
+        wait_until(lambda: "go-only" not in client.list(), timeout=20, message="drop")

@@ -1,0 +1,218 @@
+"""Continuous reconciliation of the deadline index with the values other writers leave.
+
+A Go ``RedisStore`` writing directly to our keys updates no index: its sessions would be
+missing from ``list()`` and the sweep, its deletes would leave index entries (and a fence
+saying "live") behind, and its re-saves would leave a deadline that is not the value's. The
+sweep already refuses to delete a value it did not write last (``expire.lua``); this pass
+makes the index agree with the keyspace again, a bounded slice at a time:
+
+1. ``data``: ``SCAN <prefix>:* TYPE string`` on every primary, adopting keys the index lacks
+   and moving deadlines to the value's own;
+2. ``index``: ``ZSCAN`` of every index shard, dropping the entries whose value is gone.
+
+Each session found goes through ``reconcile.lua``, one single-slot script call (pipelined),
+so the pass is as safe beside concurrent saves and deletes as any write, on a single Redis
+and on a cluster alike. Where the pass stands is kept in Redis (``KeySpace.reconcile_cursor``)
+so that every beat tick, in whichever worker, carries on from the last one. Two passes
+running at once only repeat each other's idempotent work.
+
+SCAN guarantees that a key present for a whole pass is returned at least once; a key
+written during the pass may be missed and is found by the next one. So a foreign write is
+in the index, at the latest, one full pass after it happened.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from redis.cluster import RedisCluster
+
+from checkpointq.store.scripts import queue
+
+if TYPE_CHECKING:
+    from checkpointq.store.redis import RedisStore
+
+#: Keys asked of one SCAN or ZSCAN call (its COUNT). Each call then walks about this many
+#: entries: ~0.1-0.3 ms of Redis time, far from the 5 ms that no call may exceed.
+SCAN_COUNT = 250
+
+#: An index entry within this of the value's own deadline is left alone: the value's
+#: deadline is computed from our clock plus Redis's PTTL, which differ by a few ms per pass.
+TOLERANCE_MS = 1000
+
+DATA, INDEX = "data", "index"
+
+# reconcile.lua's replies, by name.
+_OUTCOMES = {1: "adopted", 2: "moved", 3: "dropped"}
+
+
+@dataclass(slots=True)
+class ReconcileReport:
+    """What one slice (or a whole pass) of reconciliation did."""
+
+    #: Keys and index entries the slice looked at.
+    examined: int = 0
+    #: Values with no index entry, now indexed at their own deadline (Go wrote them alone).
+    adopted: list[str] = field(default_factory=list)
+    #: Entries whose deadline moved to the value's own (another writer re-saved it).
+    moved: list[str] = field(default_factory=list)
+    #: Entries whose value was gone (deleted directly), removed.
+    dropped: list[str] = field(default_factory=list)
+    #: True when this slice finished a pass: every key and entry has been seen since the
+    #: pass began.
+    completed_pass: bool = False
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "examined": self.examined,
+            "adopted": len(self.adopted),
+            "moved": len(self.moved),
+            "dropped": len(self.dropped),
+            "completed_pass": self.completed_pass,
+        }
+
+
+@dataclass(slots=True)
+class _Position:
+    """Where a pass stands: its phase, which node or shard, and the cursor within it."""
+
+    phase: str = DATA
+    part: int = 0
+    cursor: int = 0
+    #: The node scanned in the data phase ("host:port"); a changed node list restarts it.
+    node: str = ""
+
+
+class Reconciler:
+    """Runs reconciliation over one ``RedisStore``'s keys, a bounded slice at a time."""
+
+    def __init__(self, store: RedisStore) -> None:
+        self.store = store
+        self.client = store.client
+        self.keys = store.keys
+
+    def step(self, budget: int) -> ReconcileReport:
+        """Look at about ``budget`` keys and entries (``budget // SCAN_COUNT`` SCAN or ZSCAN
+        calls, at least one), carrying on from where the last slice stopped."""
+        position = self._load()
+        report = ReconcileReport()
+        for _ in range(max(1, budget // SCAN_COUNT)):
+            if self._advance(position, report):
+                report.completed_pass = True
+                position = _Position()
+                break
+        self._store(position)
+        return report
+
+    def run_pass(self) -> ReconcileReport:
+        """A whole pass from the start, to completion (what ``reindex`` runs); the shared
+        cursor is left alone."""
+        position = _Position()
+        report = ReconcileReport()
+        while not self._advance(position, report):
+            pass
+        report.completed_pass = True
+        return report
+
+    # -- one SCAN or ZSCAN call ----------------------------------------------------------
+
+    def _advance(self, position: _Position, report: ReconcileReport) -> bool:
+        """One call and the scripts for what it found; True when the pass is complete."""
+        if position.phase == INDEX:
+            indexes = self.keys.index_keys()
+            if position.part >= len(indexes):
+                return True  # a cursor from a layout with more shards: the pass is over
+            cursor, entries = self.client.zscan(
+                indexes[position.part], position.cursor, count=SCAN_COUNT
+            )
+            ids = [member.decode() for member, _score in entries]
+            parts = len(indexes)
+        else:
+            nodes = self._primaries()
+            names = [name for name, _node in nodes]
+            if (
+                position.phase != DATA
+                or position.part >= len(nodes)
+                or (position.node and position.node != names[position.part])
+            ):
+                # Not a position this pass could have left (the primaries changed): the
+                # data phase starts again; SCAN's guarantee only holds for a whole walk.
+                position.phase, position.part, position.cursor = DATA, 0, 0
+            position.node = names[position.part]
+            cursor, raw = self._scan(nodes[position.part][1], position.cursor)
+            ids = [self.keys.session_id_from_data_key(key.decode()) for key in raw]
+            parts = len(nodes)
+        report.examined += len(ids)
+        self._reconcile(ids, report)
+        if int(cursor):
+            position.cursor = int(cursor)
+            return False
+        position.part, position.cursor, position.node = position.part + 1, 0, ""
+        if position.part < parts:
+            return False
+        if position.phase == INDEX:
+            return True
+        position.phase, position.part = INDEX, 0
+        return False
+
+    def _primaries(self) -> list[tuple[str, Any]]:
+        if isinstance(self.client, RedisCluster):
+            nodes = self.client.get_primaries()  # type: ignore[no-untyped-call]
+            return sorted(((node.name, node) for node in nodes), key=lambda pair: pair[0])
+        return [("", None)]
+
+    def _scan(self, node: Any, cursor: int) -> tuple[int, list[bytes]]:
+        pattern = self.keys.data_pattern()
+        if node is None:
+            found: tuple[int, list[bytes]] = self.client.scan(
+                cursor, match=pattern, count=SCAN_COUNT, _type="string"
+            )
+            return found
+        cursors, keys = self.client.scan(
+            cursor, match=pattern, count=SCAN_COUNT, _type="string", target_nodes=node
+        )
+        return int(next(iter(cursors.values()))), keys
+
+    def _reconcile(self, ids: list[str], report: ReconcileReport) -> None:
+        if not ids:
+            return
+        now_ms = int(self.store.clock() * 1000)
+        pipe = self.client.pipeline(transaction=False)
+        for session_id in ids:
+            queue(
+                self.store.scripts.reconcile,
+                pipe,
+                self.keys.session(session_id).as_list(),
+                [now_ms, session_id, TOLERANCE_MS],
+            )
+        for session_id, outcome in zip(ids, pipe.execute(), strict=True):
+            name = _OUTCOMES.get(int(outcome))
+            if name is not None:
+                getattr(report, name).append(session_id)
+
+    # -- the shared cursor ---------------------------------------------------------------
+
+    def _load(self) -> _Position:
+        raw = self.client.hgetall(self.keys.reconcile_cursor())
+        fields = {key.decode(): value.decode() for key, value in raw.items()}
+        try:
+            return _Position(
+                fields.get("phase", DATA),
+                int(fields.get("part", 0)),
+                int(fields.get("cursor", 0)),
+                fields.get("node", ""),
+            )
+        except ValueError:
+            return _Position()  # not ours to interpret: start a pass afresh
+
+    def _store(self, position: _Position) -> None:
+        self.client.hset(
+            self.keys.reconcile_cursor(),
+            mapping={
+                "phase": position.phase,
+                "part": position.part,
+                "cursor": position.cursor,
+                "node": position.node,
+            },
+        )
