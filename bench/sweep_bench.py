@@ -117,7 +117,13 @@ class Population:
                 pipe.set(keys.data(session_id), self.value, pxat=deadline)
                 pipe.hset(
                     fence,
-                    mapping={"seq": seq, "deleted": "0", "deadline": deadline, "expires": deadline},
+                    mapping={
+                        "seq": seq,
+                        "deleted": "0",
+                        "deadline": deadline,
+                        "expires": deadline,
+                        "req": "",
+                    },
                 )
                 pipe.pexpire(fence, ttl_ms + self.fence_extra_ms)
             pipe.zadd(index, dict.fromkeys(batch, deadline))
