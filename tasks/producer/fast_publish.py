@@ -15,8 +15,13 @@ after our size check. This module writes exactly the envelope kombu's Redis tran
 * a ``delivery_tag`` and a task id (uuid4) per message, and ``reply_to`` fixed per
   publisher, as a Celery app's ``oid`` is (nothing replies: there is no result backend).
 
-Only for ``redis://``, ``rediss://``, ``unix://`` and ``redis+socket://`` brokers; any other
-broker (amqp://, sentinel://) goes through Celery (``CheckpointClient`` decides).
+Only for plain Redis brokers (``redis://``, ``rediss://``, ``unix://``); any other broker
+(amqp://, sentinel://) goes through Celery (``CheckpointClient`` decides).
+
+Every wait is bounded: a publish takes at most ``PUBLISH_TIMEOUT`` seconds in all, even
+against a broker that accepts connections and never answers (each attempt waits at most
+``ATTEMPT_TIMEOUT`` to connect and as long for each answer, and no attempt starts that could
+not end by the deadline).
 """
 
 from __future__ import annotations
@@ -39,6 +44,12 @@ from checkpointq.store.urls import is_redis_url, redact_url, redis_py_url
 from checkpointq.tasks.errors import BrokerUnavailable
 
 _RETRYABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError)
+
+#: Seconds one publish may take in all: its attempts, their socket waits, the pauses.
+PUBLISH_TIMEOUT = 5.0
+#: Seconds one attempt waits to connect, and then for each answer. A Redis that has not
+#: answered an LPUSH within a second is stalled; the retry (harmless: fenced) goes on.
+ATTEMPT_TIMEOUT = 1.0
 
 
 def supports(broker_url: str) -> bool:
@@ -96,12 +107,17 @@ class RedisPublisher:
         queue: str,
         retry_policy: Mapping[str, float],
         *,
-        socket_timeout: float = 5.0,
+        socket_timeout: float = ATTEMPT_TIMEOUT,
+        timeout: float = PUBLISH_TIMEOUT,
     ) -> None:
         """Publish to ``queue`` on ``broker_url``; retry as ``retry_policy`` says (kombu's
-        keys: ``max_retries``, ``interval_start``, ``interval_step``, ``interval_max``)."""
+        keys: ``max_retries``, ``interval_start``, ``interval_step``, ``interval_max``), for
+        ``timeout`` seconds at most."""
         self.queue = queue
         self.retry_policy = dict(retry_policy)
+        self.timeout = timeout
+        # An attempt's worst case: the connect wait, then the wait for the answer.
+        self._attempt_worst = 2 * socket_timeout
         self._display_url = redact_url(broker_url)
         # Our own retry loop decides how long a publish may take; redis-py must not retry
         # underneath it (its default would multiply the wait).
@@ -168,15 +184,19 @@ class RedisPublisher:
         policy = self.retry_policy
         retries = int(policy.get("max_retries", 0))
         interval = float(policy.get("interval_start", 0.0))
+        started = time.monotonic()
+        deadline = started + self.timeout
         for attempt in range(retries + 1):
             try:
                 self._client.lpush(self.queue, message)
                 return
             except _RETRYABLE as exc:
-                if attempt == retries:
+                now = time.monotonic()
+                if attempt == retries or now + interval + self._attempt_worst > deadline:
                     raise BrokerUnavailable(
-                        f"could not publish {what} to {self._display_url} after "
-                        f"{retries} retries: {type(exc).__name__}: {exc}"
+                        f"could not publish {what} to {self._display_url}: {attempt + 1} "
+                        f"attempt(s) in {now - started:.1f} s, the last: "
+                        f"{type(exc).__name__}: {exc}"
                     ) from exc
             except redis_errors.RedisError as exc:
                 # OOM, READONLY, ...: an operator's problem that a retry within seconds

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.cli.conftest import Cli
-from tests.support.servers import free_port
+from tests.support.servers import SilentListener, free_port
 
 SECRET = "s3cr3t-hunter2"
 
@@ -33,6 +33,25 @@ def test_commands_on_a_dead_redis_fail_with_one_line_and_no_password(
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("checkpointq: error: ")
     assert SECRET not in result.output
+
+
+@pytest.mark.parametrize("args", [["save", "-", "--wait"], ["show", "s1"], ["health"]])
+def test_a_broker_that_accepts_and_never_answers_fails_each_command_in_one_line(
+    cli_offline: Cli, args: list[str]
+) -> None:
+    # Given a broker (and store) that accepts connections and never answers
+    with SilentListener() as silent:
+        cli_offline.env["CHECKPOINTQ_BROKER_URL"] = silent.url
+
+        # When a command uses it: the run's own timeout (60 s) would fail a hang; before,
+        # `save` retried 5 s reads for 34 s
+        completed = cli_offline.run(*args, input=b'{"sessionId": "s1", "version": 1}')
+
+    # Then it gives up with one line naming the timeout
+    assert completed.returncode == 1
+    assert len(completed.stderr.splitlines()) == 1, completed.stderr
+    assert "Timeout" in completed.stderr
+    assert silent.accepted >= 1
 
 
 def test_a_real_process_prints_no_traceback_and_no_password(dead_url_cli: Cli) -> None:

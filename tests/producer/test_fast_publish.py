@@ -16,9 +16,9 @@ from checkpointq.store.urls import redis_py_url
 from checkpointq.tasks.errors import BrokerUnavailable
 from checkpointq.tasks.messages import SAVE
 from checkpointq.tasks.producer import fast_publish
-from checkpointq.tasks.producer.client import CheckpointClient
+from checkpointq.tasks.producer.client import PUBLISH_RETRY_POLICY, CheckpointClient
 from tests.support.checkpoints import make_checkpoint
-from tests.support.servers import RedisServer, free_port
+from tests.support.servers import RedisServer, SilentListener, free_port
 
 QUEUE = "checkpoints"
 
@@ -110,10 +110,26 @@ def test_publish_to_an_unreachable_broker_raises_broker_unavailable_after_retrie
 
     monkeypatch.setattr(publisher._client, "lpush", counting_lpush)
     # When it publishes, Then it tries once plus two retries and raises BrokerUnavailable
-    with pytest.raises(BrokerUnavailable, match="after 2 retries"):
+    with pytest.raises(BrokerUnavailable, match="3 attempt"):
         publisher.publish(SAVE, b"[[],{},{}]", "[]")
     assert attempts == 3
     publisher.close()
+
+
+def test_a_broker_that_accepts_and_never_answers_bounds_the_publish() -> None:
+    # Given a broker that accepts connections and never answers, and the client's own policy
+    with SilentListener() as silent:
+        publisher = fast_publish.RedisPublisher(silent.url, QUEUE, PUBLISH_RETRY_POLICY)
+
+        # When a request is published, Then it fails with BrokerUnavailable
+        with pytest.raises(BrokerUnavailable, match="TimeoutError") as failure:
+            publisher.publish(SAVE, b"[[],{},{}]", "[]")
+        publisher.close()
+
+    # And no attempt was started that could not end within the publish timeout: each waits
+    # ATTEMPT_TIMEOUT (1 s) for an answer, so 3 attempts, 1.5 s of pauses, 3.5 s in all
+    assert fast_publish.PUBLISH_TIMEOUT == 5.0 and fast_publish.ATTEMPT_TIMEOUT == 1.0
+    assert silent.accepted == 3, failure.value
 
 
 @pytest.mark.integration

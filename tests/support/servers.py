@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,3 +111,40 @@ class RedisServer:
     def cleanup(self) -> None:
         self.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class SilentListener:
+    """A TCP server on a free loopback port that accepts connections and never answers:
+    the broker whose every wait must be bounded. Counts the connections it accepted."""
+
+    def __init__(self) -> None:
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.bind(("127.0.0.1", 0))
+        self._socket.listen(128)
+        self.port: int = self._socket.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.accepted = 0
+        self._held: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._socket.accept()
+            except OSError:
+                return  # closed
+            self.accepted += 1
+            self._held.append(conn)
+
+    def close(self) -> None:
+        self._socket.close()
+        for conn in self._held:
+            conn.close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> SilentListener:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
