@@ -88,11 +88,16 @@ class Page:
 @dataclass(frozen=True, slots=True)
 class Fence:
     """The last request applied to a session: its ``seq``, whether it was a delete, and its
-    request id (``""`` when its producer gave none)."""
+    request id (``""`` when its producer gave none).
+
+    ``live`` says whether the session's value is known to be there, before its deadline: a
+    save's fence is live until the value expires, or until reconciliation finds the value
+    deleted behind the store's back (a Go ``RedisStore``'s ``DEL``)."""
 
     seq: int
     deleted: bool
     request_id: str = ""
+    live: bool = False
 
 
 @dataclass(frozen=True, slots=True)

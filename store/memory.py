@@ -132,7 +132,11 @@ class InMemoryStore(CheckpointStore):
 
     def _public_fence(self, session_id: str, now: float) -> Fence | None:
         fence = self._live_fence(session_id, now)
-        return None if fence is None else Fence(fence.seq, fence.deleted, fence.request_id)
+        if fence is None:
+            return None
+        entry = self._entries.get(session_id)
+        live = not fence.deleted and entry is not None and entry.deadline > now
+        return Fence(fence.seq, fence.deleted, fence.request_id, live)
 
     def list_page(self, cursor: str | None = None, count: int = 1000) -> Page:
         start = int(cursor) if cursor else 0

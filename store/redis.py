@@ -103,6 +103,10 @@ def _store_errors(action: str) -> Iterator[None]:
         raise StoreUnavailable(f"{action}: Redis error ({type(exc).__name__}: {exc})") from exc
 
 
+#: The fence hash fields the store reads, in the order ``RedisStore._fence`` takes them.
+_FENCE_FIELDS = ("seq", "deleted", "req", "deadline")
+
+
 def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
@@ -339,13 +343,13 @@ class RedisStore(CheckpointStore):
         with _store_errors(f"load {session_id!r}"):
             stored, *fence = self.scripts.load(keys=[keys.data, keys.fence], args=[])
         checkpoint = None if stored is None else self._decode(session_id, stored)
-        return checkpoint, _fence(*fence)
+        return checkpoint, self._fence(*fence)
 
     def fence(self, session_id: str) -> Fence | None:
         self.check_session_id(session_id)
         with _store_errors(f"read fence of {session_id!r}"):
-            reply = self.client.hmget(self.keys.fence(session_id), "seq", "deleted", "req")
-        return _fence(*reply)
+            reply = self.client.hmget(self.keys.fence(session_id), *_FENCE_FIELDS)
+        return self._fence(*reply)
 
     def request_outcome(
         self, session_id: str, request_id: str
@@ -355,11 +359,25 @@ class RedisStore(CheckpointStore):
         self.check_session_id(session_id)
         with _store_errors(f"read outcome of {request_id!r}"):
             pipe = self.client.pipeline(transaction=False)
-            pipe.hmget(self.keys.fence(session_id), "seq", "deleted", "req")
+            pipe.hmget(self.keys.fence(session_id), *_FENCE_FIELDS)
             pipe.hmget(self.keys.refused(request_id), "kind", "reason", "entry")
             fence, (kind, reason, entry) = pipe.execute()
         refusal = None if kind is None else Refusal(_text(kind), _text(reason), _text(entry))
-        return _fence(*fence), refusal
+        return self._fence(*fence), refusal
+
+    def _fence(
+        self,
+        seq: bytes | None,
+        deleted: bytes | None,
+        request_id: bytes | None,
+        deadline: bytes | None = None,
+    ) -> Fence | None:
+        """A fence from its hash fields (``_FENCE_FIELDS``, as HMGET or load.lua return
+        them). The sweep and reconciliation remove ``deadline`` once the value is gone."""
+        if seq is None:
+            return None
+        live = deadline is not None and float(deadline) > _ms(self.clock())
+        return Fence(int(seq), deleted == b"1", _text(request_id), live and deleted != b"1")
 
     def list_page(self, cursor: str | None = None, count: int = 1000) -> Page:
         """One page of live ids; the cursor is ZSCAN's on a single Redis and
@@ -498,13 +516,6 @@ def _save_result(
         )
 
     return finish
-
-
-def _fence(seq: bytes | None, deleted: bytes | None, request_id: bytes | None) -> Fence | None:
-    """A fence from its hash fields (as HMGET or load.lua return them)."""
-    if seq is None:
-        return None
-    return Fence(int(seq), deleted == b"1", _text(request_id))
 
 
 def _text(value: bytes | None) -> str:

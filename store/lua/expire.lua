@@ -28,6 +28,9 @@ if expires ~= -2 and tonumber(redis.call('HGET', KEYS[2], 'expires') or -3) ~= e
     deadline = tonumber(ARGV[1]) + ttl
   end
   redis.call('ZADD', KEYS[3], deadline, ARGV[2])
+  if redis.call('HGET', KEYS[2], 'deleted') == '0' then
+    redis.call('HSET', KEYS[2], 'deadline', deadline)
+  end
   return 0
 end
 redis.call('ZREM', KEYS[3], ARGV[2])

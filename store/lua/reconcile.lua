@@ -32,16 +32,21 @@ local deadline = '+inf'
 if ttl >= 0 then
   deadline = tonumber(ARGV[1]) + ttl
 end
-if not score then
-  redis.call('ZADD', KEYS[3], deadline, ARGV[2])
-  return 1
-end
-if deadline == '+inf' then
-  if tonumber(score) == math.huge then
+if score then
+  if deadline == '+inf' then
+    if tonumber(score) == math.huge then
+      return 0
+    end
+  elseif math.abs(tonumber(score) - deadline) <= tonumber(ARGV[3]) then
     return 0
   end
-elseif math.abs(tonumber(score) - deadline) <= tonumber(ARGV[3]) then
-  return 0
 end
 redis.call('ZADD', KEYS[3], deadline, ARGV[2])
-return 2
+-- A fence of ours that records a live value follows it to its new deadline.
+if redis.call('HGET', KEYS[2], 'deleted') == '0' then
+  redis.call('HSET', KEYS[2], 'deadline', deadline)
+end
+if score then
+  return 2
+end
+return 1

@@ -143,6 +143,18 @@ def test_fence_reports_last_applied_request(store: CheckpointStore) -> None:
     assert fence is not None and (fence.seq, fence.deleted) == (9, True)
 
 
+def test_fence_says_whether_the_value_is_live(store: CheckpointStore) -> None:
+    store.save(make_checkpoint("saved"), seq=1)
+    store.save(make_checkpoint("deleted"), seq=1)
+    store.delete("deleted", seq=2)
+    saved, deleted = store.fence("saved"), store.fence("deleted")
+    assert saved is not None and saved.live
+    assert deleted is not None and not deleted.live
+    store.expire_stale(now=store.clock() + store.options.ttl_seconds + 1)
+    expired = store.fence("saved")
+    assert expired is not None and not expired.live
+
+
 @pytest.mark.parametrize("seq", [-1, MAX_SEQ + 1, 1.5, True, "12"])
 def test_invalid_seq_is_rejected(store: CheckpointStore, seq: object) -> None:
     with pytest.raises(InvalidInput, match="seq"):

@@ -48,6 +48,8 @@ def test_sweep_never_deletes_a_checkpoint_go_saved_after_us(real_redis: redis.Re
     swept = store.expire_stale()
     # then Go's newer checkpoint survives, listed, and indexed at its own deadline.
     assert swept == []
+    fence = store.fence("mixed")
+    assert fence is not None and fence.live
     loaded = store.load("mixed")
     assert loaded is not None and loaded.version == 2
     assert store.list() == ["mixed"]
@@ -148,8 +150,9 @@ def test_a_session_go_deleted_leaves_list_and_its_fence_stops_recording_a_value(
     report = store.reconcile(1000)
     assert report.dropped == ["go-del"] and report.completed_pass
     assert store.list() == ["kept"]
-    assert real_redis.hget(store.keys.fence("go-del"), "deadline") is None
-    assert real_redis.hget(store.keys.fence("kept"), "deadline") is not None
+    gone, kept = store.fence("go-del"), store.fence("kept")
+    assert gone is not None and not gone.live and not gone.deleted
+    assert kept is not None and kept.live
 
 
 def test_a_deadline_go_moved_is_fixed_to_the_values_own(real_redis: redis.Redis) -> None:

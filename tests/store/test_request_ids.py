@@ -15,7 +15,7 @@ def test_fence_names_the_request_that_won(store: CheckpointStore) -> None:
     store.save(make_checkpoint("s1", version=1), seq=10, request_id="a")
     store.save(make_checkpoint("s1", version=2), seq=20, request_id="b")
     # Then the fence names the second, and a delete's tombstone names the delete
-    assert store.fence("s1") == Fence(20, False, "b")
+    assert store.fence("s1") == Fence(20, False, "b", live=True)
     store.delete("s1", seq=30, request_id="c")
     assert store.fence("s1") == Fence(30, True, "c")
 
@@ -26,7 +26,7 @@ def test_load_with_fence_returns_the_value_and_the_fence_together(store: Checkpo
     store.save(cp, seq=10, request_id="a")
     store.delete("gone", seq=7, request_id="d")
     # Then each reads back with its fence (a tombstone has a fence and no value)
-    assert store.load_with_fence("s1") == (cp, Fence(10, False, "a"))
+    assert store.load_with_fence("s1") == (cp, Fence(10, False, "a", live=True))
     assert store.load_with_fence("gone") == (None, Fence(7, True, "d"))
     assert store.load_with_fence("never") == (None, None)
 
@@ -44,7 +44,7 @@ def test_another_save_with_the_fences_seq_is_stale_but_a_duplicate_reapplies(
     assert not other.applied and duplicate.applied
     loaded = store.load("s1")
     assert loaded is not None and loaded.version == 1
-    assert store.fence("s1") == Fence(10, False, "a")
+    assert store.fence("s1") == Fence(10, False, "a", live=True)
 
 
 def test_a_delete_still_wins_a_tie_with_another_requests_save(store: CheckpointStore) -> None:
@@ -72,5 +72,5 @@ def test_batch_items_carry_their_own_request_ids(store: CheckpointStore) -> None
         ]
     )
     assert [getattr(r, "applied", r) for r in results] == [True, False, True]
-    assert store.fence("s1") == Fence(10, False, "t:0")
+    assert store.fence("s1") == Fence(10, False, "t:0", live=True)
     assert store.fence("s2") == Fence(5, True, "t:2")
