@@ -30,6 +30,7 @@ from checkpointq.store.urls import redact_url, redact_urls
 from checkpointq.tasks.dead_letters import DeadLetters
 from checkpointq.tasks.errors import NotFound, NotReplayable
 from checkpointq.tasks.producer.client import CheckpointClient, Handle
+from checkpointq.tasks.producer.outcomes import SUPERSEDED, RequestOutcome
 from checkpointq.tasks.sweep import sweep as run_sweep
 from checkpointq.worker import connections
 from checkpointq.worker.settings import Settings
@@ -221,23 +222,44 @@ def _client(settings: Settings) -> CheckpointClient:
     return CheckpointClient.from_settings(settings)
 
 
-def _await(client: CheckpointClient, handle: Handle, timeout: float) -> None:
+def _await(client: CheckpointClient, handle: Handle, timeout: float) -> RequestOutcome:
+    """The request's outcome; a refusal (RequestRefused: kind, reason, dead-letter entry)
+    propagates at once as the one-line failure."""
     try:
-        client.wait_durable(handle, timeout=timeout)
+        return client.wait_durable(handle, timeout=timeout)
     except TimeoutError as exc:
         raise CliFailure(
-            f"{exc} (is a worker running? a refused request is in `checkpointq dlq ls`)"
+            f"{exc}: is a worker running? (the request stays queued and may still apply)"
         ) from None
 
 
-def _handle_json(handle: Handle, durable: bool) -> dict[str, Any]:
+def _handle_json(handle: Handle, outcome: RequestOutcome | None) -> dict[str, Any]:
     return {
         "task": handle.task,
         "task_id": handle.task_id,
         "session_id": handle.session_id,
         "seq": handle.seq,
-        "durable": durable,
+        "durable": outcome is not None,
+        "outcome": outcome.outcome if outcome is not None else "enqueued",
     }
+
+
+def _outcome_line(verb: str, handle: Handle, outcome: RequestOutcome | None) -> str:
+    what = f"{verb} of session {handle.session_id!r}"
+    if outcome is None:
+        return f"enqueued {what} (task {handle.task_id}); --wait waits for a worker to apply it"
+    if outcome.outcome == SUPERSEDED:
+        newer = "delete" if outcome.deleted else "save"
+        return (
+            f"{what} superseded: a newer {newer} of the session, made {_ago_us(outcome.seq)}, "
+            f"was applied first, so this one never will be (task {handle.task_id})"
+        )
+    return f"{what} applied (task {handle.task_id})"
+
+
+def _ago_us(seq: int) -> str:
+    """A request's time (its seq, µs since the epoch) for people."""
+    return _when(seq / 1_000_000)
 
 
 @cli.command()
@@ -245,19 +267,31 @@ def _handle_json(handle: Handle, durable: bool) -> dict[str, Any]:
 @wait_options
 @json_option
 def save(source: IO[bytes], wait: bool, timeout: float, as_json: bool) -> None:
-    """Enqueue a save of the checkpoint JSON in FILE (or stdin)."""
-    # Validated here first: a bad file is reported before anything is enqueued.
+    """Enqueue a save of the checkpoint JSON in FILE (or - for stdin).
+
+    The file is validated here, before anything is enqueued. With --wait, the line printed
+    says whether the save was applied or superseded by a newer request, and how many
+    messages the store kept when it trimmed the history (CHECKPOINTQ_HISTORY_CAP, or the
+    stored-size limit); a request the worker refused fails at once with its reason and
+    dead-letter entry.
+    """
     checkpoint = checkpoint_from_wire(loads_json(source.read()))
+    trimmed: dict[str, int] = {}
     with _client(_settings()) as client:
         handle = client.save(checkpoint)
-        if wait:
-            _await(client, handle, timeout)
-    word = "saved" if wait else "enqueued save of"
-    _emit(
-        as_json,
-        _handle_json(handle, wait),
-        [f"{word} {handle.session_id!r} (task {handle.task_id}, seq {handle.seq})"],
-    )
+        outcome = _await(client, handle, timeout) if wait else None
+        if outcome is not None and outcome.outcome != SUPERSEDED:
+            stored = client.load(handle.session_id)
+            sent = len(checkpoint.conversation_history)
+            if stored is not None and len(stored.conversation_history) < sent:
+                trimmed = {"sent": sent, "kept": len(stored.conversation_history)}
+    human = [_outcome_line("save", handle, outcome)]
+    if trimmed:
+        human.append(
+            f"history trimmed: the store kept the newest {trimmed['kept']} of "
+            f"{trimmed['sent']} messages (CHECKPOINTQ_HISTORY_CAP, or the stored-size limit)"
+        )
+    _emit(as_json, {**_handle_json(handle, outcome), "messages": trimmed or None}, human)
 
 
 @cli.command()
@@ -268,14 +302,8 @@ def delete(session_id: str, wait: bool, timeout: float, as_json: bool) -> None:
     """Enqueue a delete of a session (a tombstone keeps late saves from resurrecting it)."""
     with _client(_settings()) as client:
         handle = client.delete(session_id)
-        if wait:
-            _await(client, handle, timeout)
-    word = "deleted" if wait else "enqueued delete of"
-    _emit(
-        as_json,
-        _handle_json(handle, wait),
-        [f"{word} {handle.session_id!r} (task {handle.task_id}, seq {handle.seq})"],
-    )
+        outcome = _await(client, handle, timeout) if wait else None
+    _emit(as_json, _handle_json(handle, outcome), [_outcome_line("delete", handle, outcome)])
 
 
 # -- reading the store ----------------------------------------------------------------------

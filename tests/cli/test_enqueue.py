@@ -49,7 +49,7 @@ def test_save_reads_a_file_argument(cli_env: Cli, redis_client: redis.Redis) -> 
     result = cli_env("save", str(path))
 
     assert result.exit_code == 0, result.output
-    assert "enqueued save of 'from-file'" in result.stdout
+    assert "enqueued save of session 'from-file'" in result.stdout
     assert _queued(redis_client)[0]["args"][0]["sessionId"] == "from-file"
 
 
