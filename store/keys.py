@@ -17,33 +17,33 @@ concatenated, never used as patterns, so a session id holding ``*``, ``?``, ``[`
 names its own keys and nobody else's: data keys all start with ``<prefix>:`` and bookkeeping
 keys with ``<prefix>.cq:``, and within each family the id is the whole suffix.
 
-Redis Cluster (``ClusterKeySpace``): a script may only touch keys of one hash slot, and one
-deadline index for every session would put all of them in one slot. So sessions are split
-into ``shards`` (default 1024) by a stable hash of their id, and every key of a shard carries
-the shard's hash tag, which places it in the shard's slot::
+Redis Cluster (``ClusterKeySpace``): the data key is Go's, ``<prefix>:<id>``, so a Go
+``RedisStore`` shares the cluster with us. A script may only touch keys of one hash slot, so
+the session's bookkeeping goes where its data key hashes: every slot has a hash tag (the
+smallest decimal number whose CRC16 is that slot), and the fence and the slot's own deadline
+index carry the tag of the data key's slot::
 
-    agentorca-session:{<tag>}:<id>             the checkpoint
-    agentorca-session.cq:{<tag>}:fence:<id>    its fence hash
-    agentorca-session.cq:{<tag>}:deadlines     the deadline index of this shard's sessions
+    agentorca-session:<id>                            the checkpoint, as on a single Redis
+    agentorca-session.cq:{<tag>}:fence:<id>           its fence hash
+    agentorca-session.cq:{<tag>}:slot-deadlines       deadline index of the slot's sessions
 
-The sweep lock and the two streams keep their single-Redis names (one key each, any slot).
-Shard ``i``'s tag is the smallest decimal number whose CRC16 slot is ``i * 16384 // shards``,
-so the shards sit evenly spaced over the 16384 slots and any contiguous slot ranges (how
-``redis-cli --cluster create`` and rebalancing assign them) get equal numbers of shards.
+``<tag>`` is the tag of ``CLUSTER KEYSLOT agentorca-session:<id>`` (a session id holding a
+``{...}`` hash tag of its own moves its data key, and with it the rest, to that tag's slot).
+There are 16384 deadline indexes, one per slot; listing and sweeping walk them, node by node
+(see ``checkpointq.store.redis``). The sweep lock and the two streams keep their single-Redis
+names (one key each, any slot).
 
-Session ids holding ``{`` or ``}`` are safe: Redis hashes the text between the *first* ``{``
-and the first ``}`` after it. The prefix may not contain braces and the tag is digits only,
-so that is always our tag, whatever follows in the id.
+Bookkeeping keys name their slot's tag first, so Redis hashes that tag whatever the id
+holds: the prefix may not contain braces, the tag is digits, and the text between the first
+``{`` and the first ``}`` after it is always our tag.
 
-The data key necessarily differs from Go's ``<prefix>:<id>``: Go's ``RedisStore`` cannot read
-or write a cluster layout (reconciliation scans each primary for this layout's ``<prefix>:{*``).
-The shard count is part of the layout: changing it moves every session to another key, so it
-is chosen once per deployment, like the prefix.
+Before this layout, cluster deployments used ``{<shard tag>}`` data keys and
+``{<tag>}:deadlines`` indexes; ``RedisStore.migrate_sharded_layout`` moves such a deployment's
+sessions over (docs/scaling.md).
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from functools import cache
 
@@ -51,11 +51,6 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 #: The Go ``RedisStore``'s key prefix.
 DEFAULT_PREFIX = "agentorca-session"
-
-#: Index shards on a cluster: at most one per slot, and enough that even a 100-master cluster
-#: holds ~10 per master (so masters share the sessions within a few percent), while a sweep
-#: costs only one ZRANGE per shard.
-DEFAULT_SHARDS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +86,6 @@ class KeySpace:
     def shards(self) -> int:
         """How many deadline indexes the sessions are split over (one on a single Redis)."""
         return 1
-
-    @property
-    def go_compatible(self) -> bool:
-        """Whether data keys are where the Go ``RedisStore`` reads and writes them."""
-        return True
 
     def shard(self, session_id: str) -> int:
         """The index shard holding ``session_id``."""
@@ -161,83 +151,89 @@ class KeySpace:
 
 @dataclass(frozen=True, slots=True)
 class ClusterKeySpace(KeySpace):
-    """The Redis Cluster layout: every session's keys and its index shard share one slot."""
-
-    shard_count: int = DEFAULT_SHARDS
-
-    def __post_init__(self) -> None:
-        # Not super(): slotted dataclasses are rebuilt, which breaks zero-argument super().
-        KeySpace.__post_init__(self)
-        if not 1 <= self.shard_count <= REDIS_CLUSTER_HASH_SLOTS:
-            raise ValueError(
-                f"shard count must be between 1 and {REDIS_CLUSTER_HASH_SLOTS}, "
-                f"got {self.shard_count}"
-            )
+    """The Redis Cluster layout: Go's data keys, each session's bookkeeping in its slot."""
 
     @property
     def shards(self) -> int:
-        return self.shard_count
-
-    @property
-    def go_compatible(self) -> bool:
-        return False
+        return REDIS_CLUSTER_HASH_SLOTS
 
     def shard(self, session_id: str) -> int:
-        # blake2b, not Python's hash(): stable across processes and versions, and unrelated
-        # to CRC16, so ids that share a prefix still spread evenly.
-        digest = hashlib.blake2b(session_id.encode("utf-8"), digest_size=8).digest()
-        return int.from_bytes(digest, "big") % self.shard_count
+        """The slot of the session's data key, which its fence and index entry share."""
+        return key_slot(self.data(session_id).encode("utf-8"))
 
-    def tag(self, shard: int) -> str:
-        """The hash tag (braces included) that places ``shard``'s keys in its slot."""
-        return f"{{{shard_tags(self.shard_count)[shard]}}}"
-
-    def data(self, session_id: str) -> str:
-        return f"{self.prefix}:{self.tag(self.shard(session_id))}:{session_id}"
-
-    def data_pattern(self) -> str:
-        return f"{self.prefix}:{{*"
-
-    def session_id_from_data_key(self, key: str) -> str:
-        return key.split("}:", 1)[1]
+    def tag(self, slot: int) -> str:
+        """The hash tag (braces included) that places a key in ``slot``."""
+        return f"{{{slot_tags()[slot]}}}"
 
     def fence(self, session_id: str) -> str:
         return f"{self._internal}:{self.tag(self.shard(session_id))}:fence:{session_id}"
 
     def index(self) -> str:
         raise TypeError(
-            "a cluster layout has one deadline index per shard: use index_keys() or "
+            "a cluster layout has one deadline index per slot: use index_keys() or "
             "session(id).index"
         )
 
-    def shard_index(self, shard: int) -> str:
-        return f"{self._internal}:{self.tag(shard)}:deadlines"
+    def slot_index(self, slot: int) -> str:
+        """The deadline index of the sessions whose data keys hash to ``slot``."""
+        return f"{self._internal}:{self.tag(slot)}:slot-deadlines"
 
     def index_keys(self) -> list[str]:
-        return [self.shard_index(shard) for shard in range(self.shard_count)]
+        return list(_slot_indexes(self._internal))
 
     def session(self, session_id: str) -> SessionKeys:
-        shard = self.shard(session_id)
-        return SessionKeys(self.data(session_id), self.fence(session_id), self.shard_index(shard))
+        data = self.data(session_id)
+        tag = self.tag(key_slot(data.encode("utf-8")))
+        return SessionKeys(
+            data,
+            f"{self._internal}:{tag}:fence:{session_id}",
+            f"{self._internal}:{tag}:slot-deadlines",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ShardedKeySpace:
+    """The cluster layout before data keys were Go's, kept only to migrate away from it:
+    ``<prefix>:{<tag>}:<id>`` data keys, split into ``shards`` shards whose indexes are
+    ``<prefix>.cq:{<tag>}:deadlines``, where shard ``i``'s tag is slot ``i * 16384 // shards``'s.
+    """
+
+    prefix: str = DEFAULT_PREFIX
+    shards: int = 1024
+
+    def _tag(self, shard: int) -> str:
+        return f"{{{slot_tags()[shard * REDIS_CLUSTER_HASH_SLOTS // self.shards]}}}"
+
+    def index(self, shard: int) -> str:
+        return f"{self.prefix}.cq:{self._tag(shard)}:deadlines"
+
+    def data(self, shard: int, session_id: str) -> str:
+        return f"{self.prefix}:{self._tag(shard)}:{session_id}"
+
+    def fence(self, shard: int, session_id: str) -> str:
+        return f"{self.prefix}.cq:{self._tag(shard)}:fence:{session_id}"
 
 
 @cache
-def shard_tags(shards: int) -> tuple[str, ...]:
-    """Hash-tag texts for ``shards`` shards: shard i's lands in slot ``i * 16384 // shards``.
+def slot_tags() -> tuple[str, ...]:
+    """Hash-tag texts, one per slot: slot i's is the smallest decimal number hashing to it.
 
-    Each tag is the smallest decimal number hashing to its slot. This definition is part of
-    the stored layout: never change it. Covering every slot takes ~110k CRC16s (~40 ms),
-    once per process.
+    This definition is part of the stored layout: never change it. Covering every slot takes
+    ~110k CRC16s (~40 ms), once per process.
     """
-    wanted = {shard * REDIS_CLUSTER_HASH_SLOTS // shards: shard for shard in range(shards)}
-    tags: list[str] = [""] * shards
-    missing = len(wanted)
+    tags: list[str] = [""] * REDIS_CLUSTER_HASH_SLOTS
+    missing = REDIS_CLUSTER_HASH_SLOTS
     candidate = 0
     while missing:
         text = str(candidate)
-        shard = wanted.pop(key_slot(text.encode()), None)
-        if shard is not None:
-            tags[shard] = text
+        slot = key_slot(text.encode())
+        if not tags[slot]:
+            tags[slot] = text
             missing -= 1
         candidate += 1
     return tuple(tags)
+
+
+@cache
+def _slot_indexes(internal: str) -> tuple[str, ...]:
+    return tuple(f"{internal}:{{{tag}}}:slot-deadlines" for tag in slot_tags())

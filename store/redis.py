@@ -6,8 +6,10 @@ Listing and expiry read a sorted set of deadlines, so their cost follows what th
 not the size of the keyspace.
 
 On Redis Cluster (see ``store/cluster.py`` for the URLs) the same scripts run unchanged: the
-``ClusterKeySpace`` puts each session's keys and its shard of the deadline index in one slot,
-and listing and sweeping walk the shards in turn (see ``checkpointq.store.keys``).
+data key is Go's ``<prefix>:<id>`` there too, and the ``ClusterKeySpace`` puts the session's
+fence and entry in the deadline index of that key's own slot (see ``checkpointq.store.keys``).
+Listing walks the 16384 slot indexes in order; a sweep asks each node for the due ids of all
+the slots it serves, in a few ``due.lua`` calls, so an empty sweep costs a few round trips.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from checkpointq.store.errors import (
     StoreNotConfigured,
     StoreUnavailable,
 )
-from checkpointq.store.keys import DEFAULT_PREFIX, DEFAULT_SHARDS, ClusterKeySpace, KeySpace
+from checkpointq.store.keys import DEFAULT_PREFIX, ClusterKeySpace, KeySpace, ShardedKeySpace
 from checkpointq.store.model import Checkpoint
 from checkpointq.store.reconcile import Reconciler, ReconcileReport
 from checkpointq.store.scripts import Scripts, queue
@@ -57,15 +59,18 @@ logger = logging.getLogger(__name__)
 #: trip, small enough that one pipeline never holds Redis for more than a millisecond or so.
 SWEEP_BATCH = 500
 
-#: Index shards read per pipelined round trip when listing or sweeping a cluster layout.
+#: Slot indexes read per pipelined round trip when listing a cluster layout.
 SHARD_BATCH = 128
+
+#: Slot indexes one ``due.lua`` call reads on a cluster node: about a millisecond of the
+#: node's time when none holds a due session, so no call holds a node for long.
+INDEXES_PER_CALL = 1024
 
 
 class StoreSettings(Protocol):
     """What ``RedisStore.from_settings`` reads (``checkpointq.worker.settings.Settings``)."""
 
     key_prefix: str
-    store_shards: int
 
     @property
     def resolved_store_url(self) -> str | None: ...
@@ -146,8 +151,13 @@ class RedisStore(CheckpointStore):
         self.keys = keys
         self.scripts = Scripts.register(client)
         self._display_url = redact_url(url) if url else "<client>"
-        # Where the next sweep starts, so that a backlog in early shards cannot starve the rest.
+        # Where the next sweep starts, so that a backlog in early slots cannot starve the rest.
         self._sweep_from = 0
+        # Cluster sweeps: the slot indexes grouped by the node serving them, and the slot map
+        # they were grouped by (the client replaces it when it relearns the topology).
+        self._node_chunks: list[tuple[Any, list[str]]] = []
+        self._chunked_by: object = None
+        self._relearn_slots = False
 
     @classmethod
     def from_url(
@@ -158,13 +168,12 @@ class RedisStore(CheckpointStore):
         options: StoreOptions | None = None,
         clock: Clock = time.time,
         socket_timeout: float = 5.0,
-        shards: int = DEFAULT_SHARDS,
         **client_kwargs: Any,
     ) -> RedisStore:
         """Connect lazily to ``redis://``, ``rediss://`` (TLS) or ``unix://`` URLs (kombu's
         ``redis+socket://`` spelling too), or to a Redis Cluster given as
         ``redis+cluster://host:port[,host:port...]`` or with ``?cluster=true`` (see
-        ``checkpointq.store.cluster``; ``shards`` applies to clusters only).
+        ``checkpointq.store.cluster``).
 
         Credentials in the URL are used but never shown: ``repr`` and errors carry a
         redacted form.
@@ -183,14 +192,14 @@ class RedisStore(CheckpointStore):
         if is_cluster_url(url):
             with _store_errors(f"connect to {redact_url(url)}"):
                 cluster = cluster_client_from_url(url, **common)
-            keys = ClusterKeySpace(prefix, shards)
+            keys = ClusterKeySpace(prefix)
             return cls(cluster, options=options, clock=clock, url=url, keys=keys)
         client = redis.Redis.from_url(redis_py_url(url), **common)
         return cls(client, prefix=prefix, options=options, clock=clock, url=url)
 
     @classmethod
     def from_settings(cls, settings: StoreSettings, *, socket_timeout: float = 5.0) -> RedisStore:
-        """The store a deployment's settings describe: its URL, prefix, options and shards.
+        """The store a deployment's settings describe: its URL, prefix and options.
 
         The one factory from settings to a store (worker, producer client and CLI use it).
 
@@ -208,12 +217,11 @@ class RedisStore(CheckpointStore):
             prefix=settings.key_prefix,
             options=settings.store_options(),
             socket_timeout=socket_timeout,
-            shards=settings.store_shards,
         )
 
     def __repr__(self) -> str:
-        shards = f", shards={self.keys.shards}" if isinstance(self.keys, ClusterKeySpace) else ""
-        return f"RedisStore({self._display_url}, prefix={self.keys.prefix!r}{shards})"
+        cluster = ", cluster" if isinstance(self.keys, ClusterKeySpace) else ""
+        return f"RedisStore({self._display_url}, prefix={self.keys.prefix!r}{cluster})"
 
     # -- writes -------------------------------------------------------------------------
 
@@ -381,7 +389,7 @@ class RedisStore(CheckpointStore):
 
     def list_page(self, cursor: str | None = None, count: int = 1000) -> Page:
         """One page of live ids; the cursor is ZSCAN's on a single Redis and
-        ``"<shard>:<zscan cursor>"`` on a cluster layout, which walks the shards in order."""
+        ``"<slot>:<zscan cursor>"`` on a cluster layout, which walks the slots in order."""
         now_ms = _ms(self.clock())
         shard, inner = self._parse_cursor(cursor)
         indexes = self.keys.index_keys()
@@ -426,37 +434,74 @@ class RedisStore(CheckpointStore):
     # -- expiry -------------------------------------------------------------------------
 
     def expire_stale(self, now: float | None = None, limit: int = 1000) -> list[str]:
-        """Expire up to ``limit`` due sessions: per index shard, ZRANGE BYSCORE for the due
-        ids, then one pipelined expire script per id (each touches one slot only).
+        """Expire up to ``limit`` due sessions: read the due ids from the deadline index (on
+        a cluster, from every slot's, node by node), then run one pipelined expire script
+        per id (each touches one slot only).
 
-        On a cluster layout each call starts at the shard where the last one stopped, so a
-        backlog in some shards delays the others by at most one sweep.
+        On a cluster each call starts where the last one stopped, so a backlog in some slots
+        delays the others by at most one sweep.
         """
         now_ms = _ms(self.clock() if now is None else now)
-        indexes = self.keys.index_keys()
-        start = self._sweep_from % len(indexes)
-        order = indexes[start:] + indexes[:start]
-        expired: list[str] = []
-        remaining = limit
-        for offset in range(0, len(order), SHARD_BATCH):
-            batch = order[offset : offset + SHARD_BATCH]
+        if isinstance(self.keys, ClusterKeySpace):
+            due = self._due_on_cluster(now_ms, limit)
+        else:
             with _store_errors("list stale sessions"):
-                pipe = self.client.pipeline(transaction=False)
-                for index in batch:
-                    pipe.zrange(index, "-inf", now_ms, byscore=True, offset=0, num=remaining)
-                replies = pipe.execute()
-            candidates: list[str] = []
-            for position, members in enumerate(replies):
-                candidates.extend(member.decode() for member in members[:remaining])
-                remaining = limit - len(expired) - len(candidates)
-                if remaining <= 0:
-                    # Resume here next time: this shard may hold more due sessions.
-                    self._sweep_from = start + offset + position
-                    break
-            expired.extend(self._expire(candidates, now_ms))
-            if remaining <= 0:
+                due = self.client.zrange(
+                    self.keys.index(), "-inf", now_ms, byscore=True, offset=0, num=limit
+                )
+        return self._expire([member.decode() for member in due], now_ms)
+
+    def _due_on_cluster(self, now_ms: int, limit: int) -> list[bytes]:
+        """Up to ``limit`` due ids over all slots: one pipeline of ``due.lua`` calls per node
+        (each over at most ``INDEXES_PER_CALL`` of its slots), nodes in turn."""
+        chunks = self._chunks_by_node()
+        start = self._sweep_from % len(chunks)
+        order = list(range(start, len(chunks))) + list(range(start))
+        replies: dict[int, list[bytes]] = {}
+        try:
+            with _store_errors("list stale sessions"):
+                by_node: dict[str, list[int]] = {}
+                for position in order:
+                    by_node.setdefault(chunks[position][0].name, []).append(position)
+                for positions in by_node.values():
+                    node_client = self.client.get_redis_connection(chunks[positions[0]][0])
+                    pipe = node_client.pipeline(transaction=False)
+                    for position in positions:
+                        self.scripts.due(args=[now_ms, limit, *chunks[position][1]], client=pipe)
+                    replies.update(zip(positions, pipe.execute(), strict=True))
+        except StoreUnavailable:
+            # A failover or a slot migration: group the slots afresh on the next sweep.
+            self._relearn_slots = True
+            raise
+        due: list[bytes] = []
+        for position in order:
+            due.extend(replies[position][: limit - len(due)])
+            if len(due) >= limit:
+                # Resume here next time: these slots may hold more due sessions.
+                self._sweep_from = position
                 break
-        return expired
+        return due
+
+    def _chunks_by_node(self) -> list[tuple[Any, list[str]]]:
+        """The slot indexes in slot order, cut into runs served by one node, each run at most
+        ``INDEXES_PER_CALL`` long; regrouped whenever the client's slot map changes."""
+        manager = self.client.nodes_manager
+        if self._relearn_slots:
+            with _store_errors("learn the cluster's slot map"):
+                manager.initialize()
+            self._relearn_slots = False
+        slots = manager.slots_cache
+        if self._chunked_by is not slots:
+            indexes = self.keys.index_keys()
+            chunks: list[tuple[Any, list[str]]] = []
+            for slot, index in enumerate(indexes):
+                node = slots[slot][0]  # the slot's primary
+                if chunks and chunks[-1][0] is node and len(chunks[-1][1]) < INDEXES_PER_CALL:
+                    chunks[-1][1].append(index)
+                else:
+                    chunks.append((node, [index]))
+            self._node_chunks, self._chunked_by = chunks, slots
+        return self._node_chunks
 
     def _expire(self, candidates: list[str], now_ms: int) -> list[str]:
         expired: list[str] = []
@@ -493,6 +538,54 @@ class RedisStore(CheckpointStore):
         sessions written by another store alone (Go's ``RedisStore``) it adopted."""
         with _store_errors("reindex"):
             return len(Reconciler(self).run_pass().adopted)
+
+    def migrate_sharded_layout(self, shards: int = 1024, batch: int = 500) -> int:
+        """Move the sessions of the earlier cluster layout (``<prefix>:{<tag>}:<id>`` data
+        keys, ``shards`` index shards) to this one; return how many were moved.
+
+        Each session is written through ``save.lua`` with its old value (bytes unchanged), its
+        remaining TTL and its old fence's seq, so a newer save already made in this layout
+        wins; then its old keys are deleted. Idempotent and resumable: run it again after an
+        interruption. Tombstones of the old layout are not carried over, so run it with the
+        queue drained (docs/scaling.md).
+
+        Raises:
+            InvalidInput: the store is not on a cluster layout.
+        """
+        if not isinstance(self.keys, ClusterKeySpace):
+            raise InvalidInput("only a cluster store has an earlier sharded layout to migrate")
+        old = ShardedKeySpace(self.keys.prefix, shards)
+        tombstone_ms = _ms(self.options.tombstone_ttl_seconds)
+        moved = 0
+        for shard in range(shards):
+            index = old.index(shard)
+            while True:
+                with _store_errors("migrate the sharded layout"):
+                    ids = [m.decode() for m in self.client.zrange(index, 0, batch - 1)]
+                    if not ids:
+                        break
+                    pipe = self.client.pipeline(transaction=False)
+                    for session_id in ids:
+                        pipe.get(old.data(shard, session_id))
+                        pipe.pttl(old.data(shard, session_id))
+                        pipe.hget(old.fence(shard, session_id), "seq")
+                    replies = pipe.execute()
+                    now_ms = _ms(self.clock())
+                    pipe = self.client.pipeline(transaction=False)
+                    for i, session_id in enumerate(ids):
+                        value, ttl, seq = replies[3 * i : 3 * i + 3]
+                        if value is not None and ttl > 0:
+                            args = [int(seq or 0), value, ttl, now_ms + ttl, ttl + tombstone_ms]
+                            keys = self.keys.session(session_id).as_list()
+                            queue(self.scripts.save, pipe, keys, [*args, session_id])
+                    moved += sum(1 for applied in pipe.execute() if applied)
+                    pipe = self.client.pipeline(transaction=False)
+                    for session_id in ids:
+                        pipe.delete(old.data(shard, session_id))
+                        pipe.delete(old.fence(shard, session_id))
+                        pipe.zrem(index, session_id)
+                    pipe.execute()
+        return moved
 
     def ping(self) -> None:
         """Raise StoreUnavailable unless Redis answers."""

@@ -55,6 +55,7 @@ class Scripts:
     expire: Script
     load: Script
     reconcile: Script
+    due: Script
 
     @classmethod
     def register(cls, client: Any) -> Scripts:
@@ -65,4 +66,5 @@ class Scripts:
             expire=client.register_script(script_source("expire")),
             load=client.register_script(script_source("load")),
             reconcile=client.register_script(script_source("reconcile")),
+            due=client.register_script(script_source("due")),
         )

@@ -89,8 +89,8 @@ def open_store(settings: Settings) -> RedisStore:
 
 
 def key_space(settings: Settings) -> KeySpace:
-    """The store's key layout: the Go one, or the sharded one on a cluster store."""
+    """The store's key layout: the Go one, with per-slot bookkeeping on a cluster store."""
     url = settings.resolved_store_url
     if url and is_cluster_url(url):
-        return ClusterKeySpace(settings.key_prefix, settings.store_shards)
+        return ClusterKeySpace(settings.key_prefix)
     return KeySpace(settings.key_prefix)

@@ -14,7 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from checkpointq.store.base import StoreOptions
 from checkpointq.store.cluster import is_cluster_url
-from checkpointq.store.keys import DEFAULT_PREFIX, DEFAULT_SHARDS
+from checkpointq.store.keys import DEFAULT_PREFIX
 from checkpointq.store.urls import SUPPORTED_BROKER_SCHEMES, redact_url, scheme_of
 from checkpointq.tasks.brokers import BrokerKind, broker_kind, is_known_transport
 from checkpointq.worker.embedded import EmbeddedRedis
@@ -37,9 +37,6 @@ class Settings(BaseSettings):
     #: broker's, which only works for a plain Redis broker; required with RabbitMQ or
     #: Sentinel (``docs/scaling.md``).
     store_url: str | None = None
-    #: Index shards of a cluster store (1..16384; ignored on a single Redis). Part of the
-    #: stored layout: choose it once per deployment, like the key prefix.
-    store_shards: int = Field(default=DEFAULT_SHARDS, ge=1, le=16384)
     #: Sentinel brokers (``sentinel://host:port;sentinel://host:port``): the master's name
     #: as the sentinels know it (``sentinel monitor <name> ...``).
     sentinel_master: str | None = None

@@ -57,7 +57,6 @@ class ClientSettings(Protocol):
     key_prefix: str
     queue: str
     max_message_bytes: int
-    store_shards: int
     sentinel_master: str | None
     sentinel_password: str | None
 

@@ -80,10 +80,3 @@ def test_beat_schedule_lives_on_a_plain_redis() -> None:
         Settings(broker_url=AMQP, store_url=CLUSTER)
     explicit = Settings(broker_url=AMQP, store_url=CLUSTER, beat_url="redis://beat:6379/0")
     assert explicit.resolved_beat_url == "redis://beat:6379/0"
-
-
-def test_store_shards_are_bounded() -> None:
-    with pytest.raises(ValidationError):
-        Settings(store_shards=0)
-    with pytest.raises(ValidationError):
-        Settings(store_shards=16385)

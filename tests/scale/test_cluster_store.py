@@ -40,7 +40,6 @@ def fleet(cluster: LocalCluster, broker_server: RedisServer) -> Iterator[Fleet]:
     fleet = Fleet.of(
         broker_url=broker_server.url,
         store_url=cluster.url,
-        store_shards=64,
         sweep_interval_seconds=0.5,
     )
     try:
@@ -58,7 +57,7 @@ def client(fleet: Fleet) -> Iterator[CheckpointClient]:
 def stale_sessions(fleet: Fleet, prefix: str, count: int) -> list[str]:
     """Sessions saved straight to the cluster store with a lifetime already over."""
     url = fleet.settings.resolved_store_url or ""
-    store = RedisStore.from_url(url, shards=64, options=StoreOptions(ttl_seconds=0.001))
+    store = RedisStore.from_url(url, options=StoreOptions(ttl_seconds=0.001))
     ids = [f"{prefix}-{i}" for i in range(count)]
     try:
         for seq, session in enumerate(ids, start=1):
@@ -70,18 +69,18 @@ def stale_sessions(fleet: Fleet, prefix: str, count: int) -> list[str]:
 
 
 def indexed(client: CheckpointClient, ids: list[str]) -> int:
-    """How many of ``ids`` the sharded deadline index still holds."""
+    """How many of ``ids`` the slots' deadline indexes still hold."""
     store = client.store
     assert isinstance(store, RedisStore) and isinstance(store.keys, ClusterKeySpace)
     return sum(1 for s in ids if store.client.zscore(store.keys.session(s).index, s) is not None)
 
 
 def test_worker_applies_saves_and_deletes_to_the_cluster(client: CheckpointClient) -> None:
-    # Given a client whose store is the cluster (64 shards, as the worker's)
-    assert isinstance(client.store, RedisStore) and client.store.keys.shards == 64
+    # Given a client whose store is the cluster (one deadline index per slot)
+    assert isinstance(client.store, RedisStore) and client.store.keys.shards == 16384
     handles = [client.save(make_checkpoint(f"cl-{i}", version=i + 1)) for i in range(30)]
     handles += [client.delete(f"cl-{i}") for i in range(0, 30, 3)]
-    # Then the worker applies every request to the session's own shard and slot
+    # Then the worker applies every request in the slot of the session's Go data key
     for handle in handles:
         client.wait_durable(handle, timeout=20)
     assert client.load("cl-0") is None and client.load("cl-1").version == 2  # type: ignore[union-attr]
@@ -110,22 +109,22 @@ def test_health_and_stats_read_heartbeats_and_counts_from_the_cluster(
     health = cli("health", "--json")
     assert health.returncode == 0, health.stdout + health.stderr
     assert json.loads(health.stdout)["checks"]["worker"]["ok"] is True
-    # and stats counts sessions over every shard
+    # and stats counts sessions over every slot
     stats = cli("stats", "--json")
     assert stats.returncode == 0, stats.stderr
     snapshot: dict[str, Any] = json.loads(stats.stdout)
     assert snapshot["live_sessions"] >= 1 and snapshot["workers"] == 1
 
 
-def test_sweep_task_and_cli_expire_across_all_shards(
+def test_sweep_task_and_cli_expire_across_all_slots(
     client: CheckpointClient, fleet: Fleet, broker_server: RedisServer
 ) -> None:
-    # Given stale sessions spread over the cluster's shards
+    # Given stale sessions spread over the cluster's slots
     by_task = stale_sessions(fleet, "cl-stale-task", 60)
     # When the worker runs a sweep
     client.sweep()
     wait_drained(RedisQueueProbe(broker_server.client))
-    # Then every one is gone from the sharded index
+    # Then every one is gone from the slots' indexes
     assert indexed(client, by_task) == 0
     # And `checkpointq sweep` does the same from the command line
     by_cli = stale_sessions(fleet, "cl-stale-cli", 40)

@@ -1,5 +1,6 @@
-"""The Redis Cluster layout: one slot per session's scripts, even spread, paging and sweeping
-across every node. The contract suite itself runs on the cluster through ``store_env``."""
+"""The Redis Cluster layout: Go's data keys, one slot per session's scripts, even spread,
+paging and sweeping across every node, migration from the earlier sharded layout. The
+contract suite itself runs on the cluster through ``store_env``."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from checkpointq.store import InvalidInput, RedisStore, StoreUnavailable
 from checkpointq.store.cluster import is_cluster_url
-from checkpointq.store.keys import ClusterKeySpace, KeySpace, shard_tags
+from checkpointq.store.keys import ClusterKeySpace, KeySpace, ShardedKeySpace, slot_tags
+from checkpointq.store.serde import serialize_checkpoint
 from tests.support.checkpoints import make_checkpoint
 from tests.support.cluster import LocalCluster
 from tests.support.servers import free_port
@@ -38,31 +40,34 @@ def _slot(key: str) -> int:
 
 
 @given(session_id=st.text(min_size=1, max_size=40))
-def test_every_key_of_a_session_lands_in_its_shards_slot(session_id: str) -> None:
-    keys = ClusterKeySpace("agentorca-session", 1024)
+def test_data_key_is_gos_and_the_rest_of_the_session_shares_its_slot(session_id: str) -> None:
+    keys = ClusterKeySpace("agentorca-session")
     session = keys.session(session_id)
-    expected = keys.shard(session_id) * REDIS_CLUSTER_HASH_SLOTS // 1024
-    assert {_slot(session.data), _slot(session.fence), _slot(session.index)} == {expected}
+    assert session.data == f"agentorca-session:{session_id}"
+    expected = _slot(session.data)
+    assert {_slot(session.fence), _slot(session.index)} == {expected}
+    assert keys.shard(session_id) == expected
+    assert session.fence == keys.fence(session_id) and session.index in keys.index_keys()
 
 
 @given(first=st.text(min_size=1, max_size=20), second=st.text(min_size=1, max_size=20))
 def test_no_two_sessions_share_a_data_or_fence_key(first: str, second: str) -> None:
-    keys = ClusterKeySpace("p", 64)
+    keys = ClusterKeySpace("p")
     if first != second:
         assert keys.data(first) != keys.data(second)
         assert keys.fence(first) != keys.fence(second)
     assert keys.session_id_from_data_key(keys.data(first)) == first
 
 
-def test_shards_sit_evenly_over_the_slots_so_three_masters_hold_a_third_each() -> None:
-    tags = shard_tags(1024)
-    slots = [key_slot(tag.encode()) for tag in tags]
-    assert slots == [shard * 16 for shard in range(1024)]
-    thirds = [sum(1 for slot in slots if low <= slot <= high) for low, high in _THIRDS]
-    assert max(thirds) - min(thirds) <= 1
-
-
-_THIRDS = [(0, 5460), (5461, 10922), (10923, 16383)]
+def test_every_slot_has_a_tag_and_an_index_of_its_own() -> None:
+    tags = slot_tags()
+    assert all(tag.isdigit() for tag in tags)
+    assert [key_slot(tag.encode()) for tag in tags] == list(range(REDIS_CLUSTER_HASH_SLOTS))
+    indexes = ClusterKeySpace("p").index_keys()
+    assert [_slot(index) for index in indexes] == list(range(REDIS_CLUSTER_HASH_SLOTS))
+    # The earlier layout's index names are not reused: its indexes cannot be mistaken for ours.
+    old = ShardedKeySpace("p", 1024)
+    assert not {old.index(shard) for shard in range(1024)} & set(indexes)
 
 
 def test_single_redis_layout_is_unchanged_go_layout() -> None:
@@ -96,10 +101,10 @@ def test_cluster_is_chosen_by_scheme_or_option(url: str, cluster: bool) -> None:
 def test_both_url_spellings_build_a_cluster_store(redis_cluster: LocalCluster) -> None:
     port = redis_cluster.nodes[1].port
     for url in (redis_cluster.url, f"redis://127.0.0.1:{port}/0?cluster=true"):
-        store = RedisStore.from_url(url, prefix=f"cl{next(_prefixes)}", shards=64)
+        store = RedisStore.from_url(url, prefix=f"cl{next(_prefixes)}")
         try:
             assert isinstance(store.client, RedisCluster)
-            assert isinstance(store.keys, ClusterKeySpace) and store.keys.shards == 64
+            assert isinstance(store.keys, ClusterKeySpace)
             assert store.save(make_checkpoint("s1"), seq=1).applied
             assert store.load("s1") == make_checkpoint("s1")
         finally:
@@ -146,7 +151,7 @@ def test_sessions_spread_evenly_over_all_three_masters(
     assert len(per_master) == 3 and all(900 <= n <= 1100 for n in per_master), per_master
 
 
-def test_paging_walks_every_shard_on_every_node_once(cluster_store: RedisStore) -> None:
+def test_paging_walks_every_slot_on_every_node_once(cluster_store: RedisStore) -> None:
     ids = {f"p{i}" for i in range(400)}
     for session_id in ids:
         cluster_store.save(make_checkpoint(session_id, messages=0), seq=1)
@@ -159,14 +164,14 @@ def test_paging_walks_every_shard_on_every_node_once(cluster_store: RedisStore) 
         pages += 1
         if page.cursor is None:
             break
-        shard, _, inner = page.cursor.partition(":")
-        assert 0 <= int(shard) < 1024 and int(inner) >= 0
+        slot, _, inner = page.cursor.partition(":")
+        assert 0 <= int(slot) < REDIS_CLUSTER_HASH_SLOTS and int(inner) >= 0
         cursor = page.cursor
     assert sorted(seen) == sorted(ids)
     assert pages >= len(ids) // 37
 
 
-@pytest.mark.parametrize("cursor", ["x", "2000:0", "-1:0", "3:-5", "a:b"])
+@pytest.mark.parametrize("cursor", ["x", "16384:0", "-1:0", "3:-5", "a:b"])
 def test_foreign_cursor_is_invalid_input(cluster_store: RedisStore, cursor: str) -> None:
     with pytest.raises(InvalidInput, match="cursor"):
         cluster_store.list_page(cursor)
@@ -175,7 +180,7 @@ def test_foreign_cursor_is_invalid_input(cluster_store: RedisStore, cursor: str)
 def test_sweep_expires_due_sessions_on_every_node_exactly_once(
     redis_cluster: LocalCluster, cluster_store: RedisStore
 ) -> None:
-    # Given 300 sessions over all shards, and a clock past their deadline
+    # Given 300 sessions over all slots, and a clock past their deadline
     ids = {f"e{i}" for i in range(300)}
     for session_id in ids:
         cluster_store.save(make_checkpoint(session_id, messages=0), seq=1)
@@ -226,3 +231,80 @@ def test_reconciliation_scans_every_primary_and_fixes_the_index(
     assert sorted(cluster_store.list()) == sorted(ids[:50] + ids[100:])
     # and reindex (the same pass, to completion) finds nothing left to do.
     assert cluster_store.reindex() == 0
+
+
+def test_go_and_checkpointq_share_the_cluster_on_gos_keys(cluster_store: RedisStore) -> None:
+    # Given a session Go's RedisStore wrote (SET <prefix>:<id>, no index), and one of ours
+    client = cluster_store.client
+    prefix = cluster_store.keys.prefix
+    client.set(f"{prefix}:from-go", serialize_checkpoint(make_checkpoint("from-go")), ex=3600)
+    assert cluster_store.save(make_checkpoint("from-us", version=4), seq=1).applied
+    # Then each side reads the other's at the same key, and reindex adopts Go's
+    assert cluster_store.load("from-go") == make_checkpoint("from-go")
+    assert client.get(f"{prefix}:from-us") is not None
+    assert cluster_store.reindex() == 1
+    assert sorted(cluster_store.list()) == ["from-go", "from-us"]
+
+
+def test_empty_sweep_asks_each_node_a_few_times_not_each_slot(
+    cluster_store: RedisStore,
+) -> None:
+    # Given sessions on every node, none due
+    for i in range(30):
+        cluster_store.save(make_checkpoint(f"n{i}", messages=0), seq=1)
+    calls: list[int] = []
+    due = cluster_store.scripts.due
+
+    def counting(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return due(*args, **kwargs)  # type: ignore[arg-type]
+
+    object.__setattr__(cluster_store.scripts, "due", counting)
+    # When a sweep finds nothing to expire
+    assert cluster_store.expire_stale() == []
+    # Then it read every slot's index in a few calls per node (3 masters, 1024 slots a call)
+    assert len(calls) <= 3 * (-(-5462 // 1024))
+    assert len(calls) >= REDIS_CLUSTER_HASH_SLOTS // 1024
+
+
+def _write_sharded_session(
+    store: RedisStore, old: ShardedKeySpace, shard: int, session_id: str, seq: int
+) -> None:
+    """A session as the earlier cluster layout kept it (all three keys in the shard's slot)."""
+    client = store.client
+    value = store.codec.encode(serialize_checkpoint(make_checkpoint(session_id, version=seq)))
+    client.set(old.data(shard, session_id), value, px=3_600_000)
+    client.hset(old.fence(shard, session_id), mapping={"seq": seq, "deleted": "0"})
+    client.zadd(old.index(shard), {session_id: int(store.clock() * 1000) + 3_600_000})
+
+
+def test_migration_moves_sharded_sessions_to_gos_keys(cluster_store: RedisStore) -> None:
+    # Given sessions of the earlier sharded layout, one of them already re-saved (newer) here
+    old = ShardedKeySpace(cluster_store.keys.prefix, 64)
+    ids = [f"m{i}" for i in range(50)]
+    for i, session_id in enumerate(ids):
+        _write_sharded_session(cluster_store, old, i % 64, session_id, seq=10)
+    assert cluster_store.save(make_checkpoint("m0", version=99), seq=11).applied
+    # When the migration runs (twice: it is idempotent)
+    assert cluster_store.migrate_sharded_layout(shards=64, batch=7) == len(ids) - 1
+    assert cluster_store.migrate_sharded_layout(shards=64) == 0
+    # Then every session is at Go's key with its value, TTL and seq; the newer save won
+    for i, session_id in enumerate(ids):
+        loaded = cluster_store.load(session_id)
+        assert loaded == make_checkpoint(session_id, version=99 if i == 0 else 10)
+        fence = cluster_store.fence(session_id)
+        assert fence is not None and fence.seq == (11 if i == 0 else 10)
+        assert cluster_store.client.pttl(cluster_store.keys.data(session_id)) > 3_000_000
+        assert not cluster_store.client.exists(
+            old.data(i % 64, session_id), old.fence(i % 64, session_id)
+        )
+    assert sorted(cluster_store.list()) == sorted(ids)
+    assert not any(cluster_store.client.zcard(old.index(shard)) for shard in range(64))
+    # and a later older save stays refused by the carried-over seq
+    assert not cluster_store.save(make_checkpoint("m5", version=1), seq=9).applied
+
+
+def test_migration_is_refused_on_a_single_redis_layout() -> None:
+    store = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}/0")
+    with pytest.raises(InvalidInput, match="cluster"):
+        store.migrate_sharded_layout()
