@@ -76,6 +76,23 @@ class SaveResult:
     #: Size of the stored value in bytes (0 when not applied).
     stored_bytes: int = 0
 
+    @classmethod
+    def of(
+        cls, ref: str, checkpoint: Checkpoint, seq: int, encoded: EncodedCheckpoint, applied: bool
+    ) -> SaveResult:
+        """What saving ``checkpoint`` as ``encoded`` did: the one place every store builds it."""
+        if not applied:
+            return cls(ref, False, checkpoint.session_id, checkpoint.version, seq)
+        return cls(
+            ref,
+            True,
+            checkpoint.session_id,
+            checkpoint.version,
+            seq,
+            encoded.trimmed,
+            len(encoded.value),
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Page:

@@ -65,15 +65,13 @@ class InMemoryStore(CheckpointStore):
                 seq < fence.seq
                 or (seq == fence.seq and (fence.deleted or fence.request_id != request_id))
             ):
-                return SaveResult(ref, False, session_id, checkpoint.version, seq)
+                return SaveResult.of(ref, checkpoint, seq, encoded, applied=False)
             deadline = now + self.options.ttl_seconds
             self._entries[session_id] = _Entry(encoded.value, deadline)
             self._fences[session_id] = _Fence(
                 seq, False, deadline + self.options.tombstone_ttl_seconds, request_id
             )
-        return SaveResult(
-            ref, True, session_id, checkpoint.version, seq, encoded.trimmed, len(encoded.value)
-        )
+        return SaveResult.of(ref, checkpoint, seq, encoded, applied=True)
 
     def load(self, session_id: str) -> Checkpoint | None:
         return self.load_with_fence(session_id)[0]

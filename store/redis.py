@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Protocol
 
 import redis
@@ -29,7 +30,6 @@ from checkpointq.store.base import (
     BatchResult,
     CheckpointStore,
     Clock,
-    EncodedCheckpoint,
     Fence,
     Page,
     Refusal,
@@ -229,30 +229,31 @@ class RedisStore(CheckpointStore):
         self, checkpoint: Checkpoint, seq: int | None = None, request_id: str = ""
     ) -> SaveResult:
         seq = self.resolve_seq(seq)
-        session_id = checkpoint.session_id
         encoded = self.encode(checkpoint)
-        opts = self.options
-        ttl_ms = _ms(opts.ttl_seconds)
-        deadline = _ms(self.clock()) + ttl_ms
-        with _store_errors(f"save {session_id!r}"):
-            applied = self.scripts.save(
-                keys=self.keys.session(session_id).as_list(),
-                args=[
-                    seq,
-                    encoded.value,
-                    ttl_ms,
-                    deadline,
-                    ttl_ms + _ms(opts.tombstone_ttl_seconds),
-                    session_id,
-                    request_id,
-                ],
-            )
-        ref = self.ref(session_id, checkpoint.version)
-        if not applied:
-            return SaveResult(ref, False, session_id, checkpoint.version, seq)
-        return SaveResult(
-            ref, True, session_id, checkpoint.version, seq, encoded.trimmed, len(encoded.value)
-        )
+        keys, args = self._save_call(checkpoint.session_id, encoded.value, seq, request_id)
+        with _store_errors(f"save {checkpoint.session_id!r}"):
+            applied = self.scripts.save(keys=keys, args=args)
+        ref = self.ref(checkpoint.session_id, checkpoint.version)
+        return SaveResult.of(ref, checkpoint, seq, encoded, bool(applied))
+
+    def _save_call(
+        self,
+        session_id: str,
+        value: bytes,
+        seq: int,
+        request_id: str,
+        now_ms: int | None = None,
+        ttl_ms: int | None = None,
+    ) -> tuple[list[str], list[Any]]:
+        """``save.lua``'s KEYS and ARGV (see its header): the one place they are built.
+
+        ``ttl_ms`` defaults to the session TTL; ``now_ms`` to the store's clock.
+        """
+        ttl_ms = _ms(self.options.ttl_seconds) if ttl_ms is None else ttl_ms
+        now_ms = _ms(self.clock()) if now_ms is None else now_ms
+        fence_ttl_ms = ttl_ms + _ms(self.options.tombstone_ttl_seconds)
+        args = [seq, value, ttl_ms, now_ms + ttl_ms, fence_ttl_ms, session_id, request_id]
+        return self.keys.session(session_id).as_list(), args
 
     def delete(self, session_id: str, seq: int | None = None, request_id: str = "") -> bool:
         self.check_session_id(session_id)
@@ -273,11 +274,8 @@ class RedisStore(CheckpointStore):
         """
         results: list[BatchResult | None] = []
         finish: list[Callable[[Any], BatchResult]] = []
-        opts = self.options
-        ttl_ms = _ms(opts.ttl_seconds)
-        fence_ttl_ms = ttl_ms + _ms(opts.tombstone_ttl_seconds)
-        tombstone_ms = _ms(opts.tombstone_ttl_seconds)
-        deadline = _ms(self.clock()) + ttl_ms
+        tombstone_ms = _ms(self.options.tombstone_ttl_seconds)
+        now_ms = _ms(self.clock())
         pipe = self.client.pipeline(transaction=False)
         for op in ops:
             try:
@@ -285,15 +283,13 @@ class RedisStore(CheckpointStore):
                     seq = self.resolve_seq(op.seq)
                     cp = op.checkpoint
                     encoded = self.encode(cp)
-                    keys = self.keys.session(cp.session_id).as_list()
-                    args = [
-                        *(seq, encoded.value, ttl_ms, deadline, fence_ttl_ms, cp.session_id),
-                        op.request_id,
-                    ]
-                    queue(self.scripts.save, pipe, keys, args)
-                    finish.append(
-                        _save_result(self.ref(cp.session_id, cp.version), cp, seq, encoded)
+                    keys, args = self._save_call(
+                        cp.session_id, encoded.value, seq, op.request_id, now_ms
                     )
+                    queue(self.scripts.save, pipe, keys, args)
+                    ref = self.ref(cp.session_id, cp.version)
+                    # save.lua's reply (1 or 0) becomes the result's ``applied``.
+                    finish.append(partial(SaveResult.of, ref, cp, seq, encoded))
                 else:
                     self.check_session_id(op.session_id)
                     seq = self.resolve_seq(op.seq)
@@ -555,7 +551,6 @@ class RedisStore(CheckpointStore):
         if not isinstance(self.keys, ClusterKeySpace):
             raise InvalidInput("only a cluster store has an earlier sharded layout to migrate")
         old = ShardedKeySpace(self.keys.prefix, shards)
-        tombstone_ms = _ms(self.options.tombstone_ttl_seconds)
         moved = 0
         for shard in range(shards):
             index = old.index(shard)
@@ -568,16 +563,17 @@ class RedisStore(CheckpointStore):
                     for session_id in ids:
                         pipe.get(old.data(shard, session_id))
                         pipe.pttl(old.data(shard, session_id))
-                        pipe.hget(old.fence(shard, session_id), "seq")
+                        pipe.hmget(old.fence(shard, session_id), "seq", "req")
                     replies = pipe.execute()
                     now_ms = _ms(self.clock())
                     pipe = self.client.pipeline(transaction=False)
                     for i, session_id in enumerate(ids):
-                        value, ttl, seq = replies[3 * i : 3 * i + 3]
+                        value, ttl, (seq, req) = replies[3 * i : 3 * i + 3]
                         if value is not None and ttl > 0:
-                            args = [int(seq or 0), value, ttl, now_ms + ttl, ttl + tombstone_ms]
-                            keys = self.keys.session(session_id).as_list()
-                            queue(self.scripts.save, pipe, keys, [*args, session_id])
+                            keys, args = self._save_call(
+                                session_id, value, int(seq or 0), _text(req), now_ms, ttl
+                            )
+                            queue(self.scripts.save, pipe, keys, args)
                     moved += sum(1 for applied in pipe.execute() if applied)
                     pipe = self.client.pipeline(transaction=False)
                     for session_id in ids:
@@ -594,21 +590,6 @@ class RedisStore(CheckpointStore):
 
     def close(self) -> None:
         self.client.close()
-
-
-def _save_result(
-    ref: str, cp: Checkpoint, seq: int, encoded: EncodedCheckpoint
-) -> Callable[[Any], SaveResult]:
-    """Turn save.lua's reply into the ``SaveResult`` that ``save`` would have returned."""
-
-    def finish(applied: Any) -> SaveResult:
-        if not applied:
-            return SaveResult(ref, False, cp.session_id, cp.version, seq)
-        return SaveResult(
-            ref, True, cp.session_id, cp.version, seq, encoded.trimmed, len(encoded.value)
-        )
-
-    return finish
 
 
 def _text(value: bytes | None) -> str:

@@ -27,7 +27,7 @@ from checkpointq.store.model import validate_session_id
 from checkpointq.store.serde import checkpoint_from_wire, dumps_go
 from checkpointq.tasks import observers, runtime
 from checkpointq.tasks.dead_letters import Reason
-from checkpointq.tasks.messages import APPLY_BATCH, DELETE, MAX_ITEMS, SAVE
+from checkpointq.tasks.messages import APPLY_BATCH, DELETE, MAX_ITEMS, SAVE, save_outcome
 from checkpointq.tasks.seq import accepted_seq
 
 _SAVE_FIELDS = frozenset({"op", "checkpoint", "seq"})
@@ -75,14 +75,7 @@ def _as_request(item: object) -> tuple[str, list[Any], dict[str, Any]]:
 
 def _item_outcome(op: BatchOp, result: SaveResult | bool) -> Outcome:
     if isinstance(op, SaveOp) and isinstance(result, SaveResult):
-        return {
-            "outcome": "applied" if result.applied else "stale",
-            "session_id": result.session_id,
-            "seq": result.seq,
-            "version": result.version,
-            "trimmed": result.trimmed,
-            "stored_bytes": result.stored_bytes,
-        }
+        return save_outcome(result)
     session_id = op.session_id if isinstance(op, DeleteOp) else op.checkpoint.session_id
     return {"outcome": "deleted" if result else "stale", "session_id": session_id, "seq": op.seq}
 

@@ -31,7 +31,15 @@ from checkpointq.store.model import validate_session_id
 from checkpointq.store.serde import checkpoint_from_wire
 from checkpointq.tasks import batch, messages, observers, runtime
 from checkpointq.tasks.dead_letters import Reason
-from checkpointq.tasks.messages import DELETE, EXPIRE_STALE, RECONCILE, REFRESH, SAVE, requested_seq
+from checkpointq.tasks.messages import (
+    DELETE,
+    EXPIRE_STALE,
+    RECONCILE,
+    REFRESH,
+    SAVE,
+    requested_seq,
+    save_outcome,
+)
 from checkpointq.tasks.reconcile import reconcile_slice
 from checkpointq.tasks.seq import accepted_seq
 from checkpointq.tasks.sweep import sweep
@@ -50,15 +58,7 @@ def save(task: Task, checkpoint: object, seq: int | None = None) -> Outcome:
     seq = accepted_seq(seq)
     # The task id names the request in the fence: its producer learns from it whether its
     # own save is the one applied (docs/protocol.md).
-    result = runtime.current().store.save(cp, seq, task.request.id or "")
-    return {
-        "outcome": "applied" if result.applied else "stale",
-        "session_id": result.session_id,
-        "seq": result.seq,
-        "version": result.version,
-        "trimmed": result.trimmed,
-        "stored_bytes": result.stored_bytes,
-    }
+    return save_outcome(runtime.current().store.save(cp, seq, task.request.id or ""))
 
 
 def delete(task: Task, session_id: object, seq: int | None = None) -> Outcome:

@@ -24,6 +24,8 @@ from typing import Any
 
 import orjson
 
+from checkpointq.store.base import SaveResult
+
 SAVE = "checkpoint.save"
 DELETE = "checkpoint.delete"
 REFRESH = "checkpoint.refresh"
@@ -102,3 +104,16 @@ def requested_seq(args: list[Any] | tuple[Any, ...], kwargs: dict[str, Any]) -> 
     """The ``seq`` a save or delete was stamped with, if it carries a valid-looking one."""
     seq = kwargs.get("seq", args[1] if len(args) > 1 else None)
     return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
+
+
+def save_outcome(result: SaveResult) -> dict[str, Any]:
+    """What a save task returns (its Celery result, which a waiting producer reads), and
+    what a batch reports for each save item: the one place it is built."""
+    return {
+        "outcome": "applied" if result.applied else "stale",
+        "session_id": result.session_id,
+        "seq": result.seq,
+        "version": result.version,
+        "trimmed": result.trimmed,
+        "stored_bytes": result.stored_bytes,
+    }
