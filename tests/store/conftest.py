@@ -20,24 +20,12 @@ import pytest
 import redis
 
 from checkpointq.store import CheckpointStore, InMemoryStore, RedisStore, StoreOptions
+from tests.support.clocks import FakeClock
 from tests.support.cluster import LocalCluster
 from tests.support.servers import RedisServer
 
 BACKENDS = ["memory", "fakeredis", "redis", "cluster"]
 _prefixes = itertools.count()
-
-
-class FakeClock:
-    """A settable clock, starting at the real time so seqs look realistic."""
-
-    def __init__(self) -> None:
-        self.now = time.time()
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @dataclass

@@ -14,18 +14,9 @@ import zstandard
 
 from checkpointq.store import RedisStore, StoreOptions, serialize_checkpoint
 from tests.support.checkpoints import make_checkpoint
+from tests.support.clocks import FakeClock
 
 GO_TTL_SECONDS = 30 * 24 * 60 * 60
-
-
-class SteppedClock:
-    """Our store's clock, moved by hand; Redis keeps real time (and so real TTLs)."""
-
-    def __init__(self) -> None:
-        self.now = time.time()
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def go_save(client: redis.Redis, store: RedisStore, session_id: str, version: int) -> None:
@@ -38,7 +29,7 @@ def go_save(client: redis.Redis, store: RedisStore, session_id: str, version: in
 
 def test_sweep_never_deletes_a_checkpoint_go_saved_after_us(real_redis: redis.Redis) -> None:
     # Given a session saved through checkpointq with a 1-hour TTL,
-    clock = SteppedClock()
+    clock = FakeClock()
     store = RedisStore(real_redis, clock=clock, options=StoreOptions(ttl_seconds=3600))
     store.save(make_checkpoint("mixed", version=1), seq=1)
     # and then re-saved by Go (SET EX 30 d, no index update),
@@ -62,7 +53,7 @@ def test_sweep_never_deletes_a_checkpoint_go_saved_after_us(real_redis: redis.Re
 
 
 def test_sweep_still_expires_what_we_wrote_last(real_redis: redis.Redis) -> None:
-    clock = SteppedClock()
+    clock = FakeClock()
     store = RedisStore(real_redis, clock=clock)
     go_save(real_redis, store, "ours-last", version=1)
     store.save(make_checkpoint("ours-last", version=2), seq=1)
@@ -73,7 +64,7 @@ def test_sweep_still_expires_what_we_wrote_last(real_redis: redis.Redis) -> None
 
 
 def test_sweep_drops_the_entry_of_a_value_go_deleted(real_redis: redis.Redis) -> None:
-    clock = SteppedClock()
+    clock = FakeClock()
     store = RedisStore(real_redis, clock=clock)
     store.save(make_checkpoint("go-deleted"), seq=1)
     real_redis.delete(store.keys.data("go-deleted"))  # Go's Delete
@@ -84,7 +75,7 @@ def test_sweep_drops_the_entry_of_a_value_go_deleted(real_redis: redis.Redis) ->
 
 
 def test_a_refresh_after_go_saved_makes_the_deadline_ours_again(real_redis: redis.Redis) -> None:
-    clock = SteppedClock()
+    clock = FakeClock()
     store = RedisStore(real_redis, clock=clock)
     store.save(make_checkpoint("refreshed", version=1), seq=1)
     go_save(real_redis, store, "refreshed", version=2)
@@ -110,7 +101,7 @@ def reconcile_until_pass_completes(store: RedisStore, budget: int = 1000) -> lis
 
 
 def test_a_session_go_wrote_alone_is_adopted_and_listed(real_redis: redis.Redis) -> None:
-    clock = SteppedClock()
+    clock = FakeClock()
     store = RedisStore(real_redis, clock=clock)
     go_save(real_redis, store, "go-only", version=3)
     assert store.list() == []
@@ -124,7 +115,7 @@ def test_a_session_go_wrote_alone_is_adopted_and_listed(real_redis: redis.Redis)
 
 def test_a_session_go_wrote_alone_is_swept_once_redis_expired_it(real_redis: redis.Redis) -> None:
     # Given a Go-written session with a short TTL, adopted by reconciliation,
-    clock = SteppedClock()
+    clock = FakeClock()
     store = RedisStore(real_redis, clock=clock)
     real_redis.set(store.keys.data("short"), b'{"sessionId":"short","metadata":{}}', px=200)
     reconcile_until_pass_completes(store)
@@ -156,7 +147,7 @@ def test_a_session_go_deleted_leaves_list_and_its_fence_stops_recording_a_value(
 
 
 def test_a_deadline_go_moved_is_fixed_to_the_values_own(real_redis: redis.Redis) -> None:
-    clock = SteppedClock()
+    clock = FakeClock()
     store = RedisStore(real_redis, clock=clock, options=StoreOptions(ttl_seconds=3600))
     store.save(make_checkpoint("moved"), seq=1)
     go_save(real_redis, store, "moved", version=2)
@@ -168,7 +159,7 @@ def test_a_deadline_go_moved_is_fixed_to_the_values_own(real_redis: redis.Redis)
 
 
 def test_a_value_without_ttl_is_listed_and_never_swept(real_redis: redis.Redis) -> None:
-    clock = SteppedClock()
+    clock = FakeClock()
     store = RedisStore(real_redis, clock=clock)
     real_redis.set(store.keys.data("forever"), b'{"sessionId":"forever","metadata":{}}')
     assert store.reindex() == 1
