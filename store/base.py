@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from checkpointq.store.codec import DEFAULT_MAX_DECOMPRESSED, ValueCodec
 from checkpointq.store.errors import CheckpointTooLarge, InvalidInput
-from checkpointq.store.model import Checkpoint, validate_session_id
+from checkpointq.store.model import Checkpoint, display_id, validate_session_id
 from checkpointq.store.reconcile import ReconcileReport
 from checkpointq.store.serde import serialize_checkpoint
 
@@ -312,7 +312,7 @@ class CheckpointStore(abc.ABC):
         if len(history) > cap:
             logger.warning(
                 "session %s: history has %d messages; keeping the most recent %d",
-                checkpoint.session_id,
+                display_id(checkpoint.session_id),
                 len(history),
                 cap,
             )
@@ -323,7 +323,7 @@ class CheckpointStore(abc.ABC):
             logger.warning(
                 "session %s: checkpoint exceeds %d bytes compressed; kept the %d most recent "
                 "messages",
-                checkpoint.session_id,
+                display_id(checkpoint.session_id),
                 budget,
                 keep,
             )
@@ -350,8 +350,8 @@ class CheckpointStore(abc.ABC):
                 high = mid - 1
         if best is None or high < 1:
             raise CheckpointTooLarge(
-                f"session {checkpoint.session_id}: even the most recent message alone does "
-                f"not fit the {budget}-byte stored-size budget",
+                f"session {display_id(checkpoint.session_id)}: even the most recent message "
+                f"alone does not fit the {budget}-byte stored-size budget",
                 field="conversationHistory",
             )
         return best, high

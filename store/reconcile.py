@@ -23,6 +23,7 @@ in the index, at the latest, one full pass after it happened.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,8 @@ from checkpointq.store.scripts import queue
 
 if TYPE_CHECKING:
     from checkpointq.store.redis import RedisStore
+
+logger = logging.getLogger(__name__)
 
 #: Keys asked of one SCAN or ZSCAN call (its COUNT). Each call then walks about this many
 #: entries: ~0.1-0.3 ms of Redis time, far from the 5 ms that no call may exceed.
@@ -141,7 +144,7 @@ class Reconciler:
                 position.phase, position.part, position.cursor = DATA, 0, 0
             position.node = names[position.part]
             cursor, raw = self._scan(nodes[position.part][1], position.cursor)
-            ids = [self.keys.session_id_from_data_key(key.decode()) for key in raw]
+            ids = self._session_ids(raw)
             parts = len(nodes)
         report.examined += len(ids)
         self._reconcile(ids, report)
@@ -155,6 +158,17 @@ class Reconciler:
             return True
         position.phase, position.part = INDEX, 0
         return False
+
+    def _session_ids(self, raw: list[bytes]) -> list[str]:
+        ids = []
+        for key in raw:
+            try:
+                ids.append(self.keys.session_id_from_data_key(key.decode("utf-8")))
+            except UnicodeDecodeError:
+                # A Go string may hold any bytes; a session id (str) cannot name these, so
+                # the session stays out of list() rather than be listed and unloadable.
+                logger.warning("reconcile: skipped key %r: not UTF-8, no session id names it", key)
+        return ids
 
     def _primaries(self) -> list[tuple[str, Any]]:
         if isinstance(self.client, RedisCluster):

@@ -18,6 +18,7 @@ from redis.lock import Lock
 
 from checkpointq.store.base import CheckpointStore
 from checkpointq.store.keys import KeySpace
+from checkpointq.store.model import display_id
 from checkpointq.tasks.errors import redis_unavailable
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,8 @@ def sweep(
     finally:
         _release(lock)
     if expired:
-        logger.info("sweep expired %d session(s): %s", len(expired), " ".join(expired))
+        shown = " ".join(display_id(session_id) for session_id in expired)
+        logger.info("sweep expired %d session(s): %s", len(expired), shown)
     else:
         logger.debug("sweep found nothing to expire")
     return SweepResult(expired, more=len(expired) >= limit)

@@ -24,7 +24,7 @@ from kombu.exceptions import KombuError
 from redis.exceptions import RedisClusterException
 
 from checkpointq.store.errors import CheckpointError
-from checkpointq.store.model import Checkpoint
+from checkpointq.store.model import Checkpoint, display_id
 from checkpointq.store.serde import checkpoint_from_wire, checkpoint_to_wire, loads_json
 from checkpointq.store.urls import redact_url, redact_urls
 from checkpointq.tasks.dead_letters import DeadLetters
@@ -311,7 +311,7 @@ def delete(session_id: str, wait: bool, timeout: float, as_json: bool) -> None:
 
 def _show_lines(checkpoint: Checkpoint) -> Iterator[str]:
     meta = checkpoint.metadata
-    yield f"session   {checkpoint.session_id}"
+    yield f"session   {display_id(checkpoint.session_id)}"
     yield f"version   {checkpoint.version}"
     yield f"messages  {len(checkpoint.conversation_history)} kept, {meta.total_messages} total"
     yield f"tokens    {meta.total_tokens}"
@@ -367,7 +367,8 @@ def list_sessions(
                     break
     finally:
         store.close()
-    human = list(ids)
+    # Ids are any text Go accepted (tabs, line separators, bidi controls): shown escaped.
+    human = [display_id(session_id) for session_id in ids]
     if next_cursor is not None:
         human.append(f"# more: checkpointq ls --cursor {next_cursor}")
     _emit(as_json, {"sessions": ids, "cursor": next_cursor}, human)

@@ -192,3 +192,22 @@ def test_ls_into_a_reader_that_stops_early_exits_quietly(cli_env: Cli, store: Re
     assert first.decode().startswith("piped-session-")
     assert stderr == b""
     assert returncode == 0
+
+
+def test_ls_and_show_print_odd_ids_escaped_and_json_keeps_them_exact(
+    cli_env: Cli, store: RedisStore
+) -> None:
+    # Given sessions whose ids (as Go accepts them) hold a tab, a line separator, a newline
+    odd = ["tab\there", "line\u2028sep", "new\nline"]
+    for session_id in odd:
+        store.save(make_checkpoint(session_id))
+
+    # When listed for people and for scripts, and one is shown
+    human = cli_env("ls")
+    as_json = cli_env("ls", "--json")
+    shown = cli_env("show", "new\nline")
+
+    # Then people see one escaped line per id, and scripts get the ids exactly
+    assert sorted(human.stdout.splitlines()) == ["line\\u2028sep", "new\\nline", "tab\\there"]
+    assert sorted(json.loads(as_json.stdout)["sessions"]) == sorted(odd)
+    assert shown.exit_code == 0 and "session   new\\nline" in shown.stdout

@@ -345,7 +345,27 @@ def test_ids_with_glob_and_separator_characters_only_touch_their_own_session(
     assert store.list() == ["s1"]
 
 
-@pytest.mark.parametrize("bad_id", ["", "x" * 257, "a\nb", "a\x00b", "a\u202eb", 42])
+#: Ids Go accepts and writes (any non-empty string): each must save, load, list, refresh,
+#: delete and expire here too.
+GO_IDS = ["tab\there", "ls\u2028ps\u2029", "x" * 300, "nul\x00", "bidi\u202eevil", "a b\n"]
+
+
+def test_ids_go_accepts_work_everywhere(store: CheckpointStore) -> None:
+    for i, session_id in enumerate(GO_IDS):
+        assert store.save(make_checkpoint(session_id, version=i + 1), seq=1).applied
+    assert sorted(store.list()) == sorted(GO_IDS)
+    for i, session_id in enumerate(GO_IDS):
+        loaded = store.load(session_id)
+        assert loaded is not None and loaded.version == i + 1
+        assert store.refresh(session_id)
+    assert store.delete(GO_IDS[0], seq=2)
+    assert sorted(store.list()) == sorted(GO_IDS[1:])
+    later = store.clock() + store.options.ttl_seconds + 1
+    assert sorted(store.expire_stale(now=later)) == sorted(GO_IDS[1:])
+    assert store.list() == []
+
+
+@pytest.mark.parametrize("bad_id", ["", "a\ud800b", 42])
 def test_unacceptable_session_ids_are_rejected_everywhere(
     store: CheckpointStore, bad_id: object
 ) -> None:
