@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 #: entries: ~0.1-0.3 ms of Redis time, far from the 5 ms that no call may exceed.
 SCAN_COUNT = 250
 
+#: What an (almost) empty ZSCAN counts against a slice's budget: a round trip's worth.
+MIN_ZSCAN_COST = 16
+
 #: An index entry within this of the value's own deadline is left alone: the value's
 #: deadline is computed from our clock plus Redis's PTTL, which differ by a few ms per pass.
 TOLERANCE_MS = 1000
@@ -96,12 +99,18 @@ class Reconciler:
         self.keys = store.keys
 
     def step(self, budget: int) -> ReconcileReport:
-        """Look at about ``budget`` keys and entries (``budget // SCAN_COUNT`` SCAN or ZSCAN
-        calls, at least one), carrying on from where the last slice stopped."""
+        """Look at about ``budget`` keys and entries, carrying on from where the last slice
+        stopped. A SCAN call counts ``SCAN_COUNT`` (it walks that many slots of the
+        keyspace, whatever it finds); a ZSCAN counts what it returned, at least
+        ``MIN_ZSCAN_COST`` (so the 16,384 small per-slot indexes of a cluster take a few
+        slices, not thousands). At least one call is made."""
         position = self._load()
         report = ReconcileReport()
-        for _ in range(max(1, budget // SCAN_COUNT)):
-            if self._advance(position, report):
+        spent = 0
+        while spent < budget:
+            cost, complete = self._advance(position, report, budget - spent)
+            spent += cost
+            if complete:
                 report.completed_pass = True
                 position = _Position()
                 break
@@ -113,51 +122,69 @@ class Reconciler:
         cursor is left alone."""
         position = _Position()
         report = ReconcileReport()
-        while not self._advance(position, report):
+        while not self._advance(position, report, 50 * SCAN_COUNT)[1]:
             pass
         report.completed_pass = True
         return report
 
-    # -- one SCAN or ZSCAN call ----------------------------------------------------------
+    # -- one SCAN call, or one pipeline of ZSCANs ---------------------------------------
 
-    def _advance(self, position: _Position, report: ReconcileReport) -> bool:
-        """One call and the scripts for what it found; True when the pass is complete."""
+    def _advance(
+        self, position: _Position, report: ReconcileReport, budget: int
+    ) -> tuple[int, bool]:
+        """Move the pass on by about ``budget``: one SCAN of a primary's keyspace, or
+        ZSCANs of index keys in one pipelined round trip; then the scripts for what was
+        found. Returns what it cost (see ``step``) and whether the pass is complete."""
         if position.phase == INDEX:
-            indexes = self.keys.index_keys()
-            if position.part >= len(indexes):
-                return True  # a cursor from a layout with more shards: the pass is over
-            cursor, entries = self.client.zscan(
-                indexes[position.part], position.cursor, count=SCAN_COUNT
-            )
-            ids = [member.decode() for member, _score in entries]
-            parts = len(indexes)
+            ids, cost = self._scan_indexes(position, budget)
+            complete = position.part >= len(self.keys.index_keys())
         else:
-            nodes = self._primaries()
-            names = [name for name, _node in nodes]
-            if (
-                position.phase != DATA
-                or position.part >= len(nodes)
-                or (position.node and position.node != names[position.part])
-            ):
-                # Not a position this pass could have left (the primaries changed): the
-                # data phase starts again; SCAN's guarantee only holds for a whole walk.
-                position.phase, position.part, position.cursor = DATA, 0, 0
-            position.node = names[position.part]
-            cursor, raw = self._scan(nodes[position.part][1], position.cursor)
-            ids = self._session_ids(raw)
-            parts = len(nodes)
+            ids, cost = self._scan_data(position), SCAN_COUNT
+            complete = False
         report.examined += len(ids)
         self._reconcile(ids, report)
+        return cost, complete
+
+    def _scan_data(self, position: _Position) -> list[str]:
+        nodes = self._primaries()
+        names = [name for name, _node in nodes]
+        if (
+            position.phase != DATA
+            or position.part >= len(nodes)
+            or (position.node and position.node != names[position.part])
+        ):
+            # Not a position this pass could have left (the primaries changed): the data
+            # phase starts again; SCAN's guarantee only holds for a whole walk.
+            position.phase, position.part, position.cursor = DATA, 0, 0
+        position.node = names[position.part]
+        cursor, raw = self._scan(nodes[position.part][1], position.cursor)
         if int(cursor):
             position.cursor = int(cursor)
-            return False
-        position.part, position.cursor, position.node = position.part + 1, 0, ""
-        if position.part < parts:
-            return False
-        if position.phase == INDEX:
-            return True
-        position.phase, position.part = INDEX, 0
-        return False
+        elif position.part + 1 < len(nodes):
+            position.part, position.cursor, position.node = position.part + 1, 0, ""
+        else:
+            position.phase, position.part, position.cursor, position.node = INDEX, 0, 0, ""
+        return self._session_ids(raw)
+
+    def _scan_indexes(self, position: _Position, budget: int) -> tuple[list[str], int]:
+        indexes = self.keys.index_keys()
+        batch = indexes[position.part : position.part + max(1, budget // MIN_ZSCAN_COST)]
+        pipe = self.client.pipeline(transaction=False)
+        for offset, index in enumerate(batch):
+            # The first index resumes at the cursor; the rest of the batch start afresh.
+            pipe.zscan(index, position.cursor if offset == 0 else 0, count=SCAN_COUNT)
+        ids: list[str] = []
+        cost = 0
+        for cursor, entries in pipe.execute():
+            ids.extend(member.decode("utf-8") for member, _score in entries)
+            cost += max(MIN_ZSCAN_COST, len(entries))
+            if int(cursor):
+                # This index has more: resume it next time; the later replies are dropped
+                # (and read again then), so nothing is skipped.
+                position.cursor = int(cursor)
+                break
+            position.part, position.cursor = position.part + 1, 0
+        return ids, cost
 
     def _session_ids(self, raw: list[bytes]) -> list[str]:
         ids = []
