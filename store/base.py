@@ -103,6 +103,15 @@ class Page:
 
 
 @dataclass(frozen=True, slots=True)
+class SessionCounts:
+    """Sessions by state: ``live`` (before their deadline) and ``expired`` (past it, not yet
+    removed by a sweep: invisible to ``load`` and ``list`` already)."""
+
+    live: int
+    expired: int
+
+
+@dataclass(frozen=True, slots=True)
 class Fence:
     """The last request applied to a session: its ``seq``, whether it was a delete, and its
     request id (``""`` when its producer gave none).
@@ -234,6 +243,11 @@ class CheckpointStore(abc.ABC):
     @abc.abstractmethod
     def expire_stale(self, now: float | None = None, limit: int = 1000) -> list[str]:
         """Remove up to ``limit`` sessions whose deadline has passed; return their ids."""
+
+    @abc.abstractmethod
+    def count_sessions(self, now: float | None = None) -> SessionCounts:
+        """How many sessions are live and how many expired but not yet swept, at ``now``
+        (default: the store's clock)."""
 
     def apply_batch(self, ops: Sequence[BatchOp]) -> list[BatchResult]:
         """Apply saves and deletes in order, each fenced by its own ``seq`` as if alone.

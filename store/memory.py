@@ -11,7 +11,15 @@ import threading
 import time
 from dataclasses import dataclass
 
-from checkpointq.store.base import CheckpointStore, Clock, Fence, Page, SaveResult, StoreOptions
+from checkpointq.store.base import (
+    CheckpointStore,
+    Clock,
+    Fence,
+    Page,
+    SaveResult,
+    SessionCounts,
+    StoreOptions,
+)
 from checkpointq.store.codec import CodecError
 from checkpointq.store.errors import CorruptCheckpoint, InvalidCheckpoint
 from checkpointq.store.model import Checkpoint
@@ -144,6 +152,12 @@ class InMemoryStore(CheckpointStore):
         chunk = live[start : start + count]
         next_cursor = str(start + count) if start + count < len(live) else None
         return Page(chunk, next_cursor)
+
+    def count_sessions(self, now: float | None = None) -> SessionCounts:
+        with self._lock:
+            now = self.clock() if now is None else now
+            live = sum(1 for entry in self._entries.values() if entry.deadline > now)
+            return SessionCounts(live, len(self._entries) - live)
 
     def expire_stale(self, now: float | None = None, limit: int = 1000) -> list[str]:
         with self._lock:

@@ -35,6 +35,7 @@ from checkpointq.store.base import (
     Refusal,
     SaveOp,
     SaveResult,
+    SessionCounts,
     StoreOptions,
 )
 from checkpointq.store.cluster import cluster_client_from_url, is_cluster_url
@@ -116,6 +117,13 @@ def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
 
+def layout(url: str, prefix: str = DEFAULT_PREFIX) -> KeySpace:
+    """The key layout of the store at ``url``: Go's on a single Redis; Go's data keys with
+    per-slot bookkeeping on a cluster. Tools that read the store's keys without a store
+    (``checkpointq.worker.connections.key_space``) take it from here."""
+    return ClusterKeySpace(prefix) if is_cluster_url(url) else KeySpace(prefix)
+
+
 class RedisStore(CheckpointStore):
     """Checkpoints in Redis, readable and writable by the Go ``RedisStore`` too."""
 
@@ -192,10 +200,9 @@ class RedisStore(CheckpointStore):
         if is_cluster_url(url):
             with _store_errors(f"connect to {redact_url(url)}"):
                 cluster = cluster_client_from_url(url, **common)
-            keys = ClusterKeySpace(prefix)
-            return cls(cluster, options=options, clock=clock, url=url, keys=keys)
+            return cls(cluster, options=options, clock=clock, url=url, keys=layout(url, prefix))
         client = redis.Redis.from_url(redis_py_url(url), **common)
-        return cls(client, prefix=prefix, options=options, clock=clock, url=url)
+        return cls(client, options=options, clock=clock, url=url, keys=layout(url, prefix))
 
     @classmethod
     def from_settings(cls, settings: StoreSettings, *, socket_timeout: float = 5.0) -> RedisStore:
@@ -428,6 +435,18 @@ class RedisStore(CheckpointStore):
         return str(inner) if self.keys.shards == 1 else f"{shard}:{inner}"
 
     # -- expiry -------------------------------------------------------------------------
+
+    def count_sessions(self, now: float | None = None) -> SessionCounts:
+        """Two ZCOUNTs per deadline index (one index on a single Redis, one per slot on a
+        cluster), in one pipelined round trip: O(log n) each, whatever the session count."""
+        now_ms = _ms(self.clock() if now is None else now)
+        with _store_errors("count sessions"):
+            pipe = self.client.pipeline(transaction=False)
+            for index in self.keys.index_keys():
+                pipe.zcount(index, f"({now_ms}", "+inf")
+                pipe.zcount(index, "-inf", now_ms)
+            counts = [int(count) for count in pipe.execute()]
+        return SessionCounts(sum(counts[0::2]), sum(counts[1::2]))
 
     def expire_stale(self, now: float | None = None, limit: int = 1000) -> list[str]:
         """Expire up to ``limit`` due sessions: read the due ids from the deadline index (on

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import sys
-import time
 from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from typing import IO, Any, TypeVar
@@ -441,12 +440,7 @@ def sweep(as_json: bool) -> None:
     expired = 0
     locked_out = False
     try:
-        # Every shard's index (one on a single Redis), counted in one pipeline.
-        pipe = client.pipeline(transaction=False)
-        now_ms = int(time.time() * 1000)
-        for index in keys.index_keys():
-            pipe.zcount(index, "-inf", now_ms)
-        due = sum(int(count) for count in pipe.execute())
+        due = store.count_sessions().expired
         with click.progressbar(
             length=due, label="sweeping", file=sys.stderr, hidden=as_json or due < SWEEP_BATCH
         ) as bar:

@@ -13,8 +13,9 @@ from pydantic import ValidationError
 
 from checkpointq.store.cluster import cluster_client_from_url, is_cluster_url
 from checkpointq.store.errors import CheckpointError
-from checkpointq.store.keys import ClusterKeySpace, KeySpace
+from checkpointq.store.keys import KeySpace
 from checkpointq.store.redis import RedisStore
+from checkpointq.store.redis import layout as store_layout
 from checkpointq.store.urls import redis_py_url
 from checkpointq.worker.embedded import EmbeddedRedis
 from checkpointq.worker.settings import Settings
@@ -89,8 +90,5 @@ def open_store(settings: Settings) -> RedisStore:
 
 
 def key_space(settings: Settings) -> KeySpace:
-    """The store's key layout: the Go one, with per-slot bookkeeping on a cluster store."""
-    url = settings.resolved_store_url
-    if url and is_cluster_url(url):
-        return ClusterKeySpace(settings.key_prefix)
-    return KeySpace(settings.key_prefix)
+    """The store's key layout, as the store itself derives it from its URL and prefix."""
+    return store_layout(settings.resolved_store_url or "", settings.key_prefix)

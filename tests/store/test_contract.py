@@ -14,7 +14,7 @@ from checkpointq.store import (
     InvalidInput,
     InvalidSessionId,
 )
-from checkpointq.store.base import MAX_SEQ
+from checkpointq.store.base import MAX_SEQ, SessionCounts
 from tests.store.conftest import StoreEnv
 from tests.support.checkpoints import make_checkpoint
 
@@ -402,3 +402,15 @@ def test_tombstone_is_forgotten_after_its_ttl(store_env: StoreEnv) -> None:
     store.expire_stale()
     assert store.fence("s1") is None
     assert store.save(make_checkpoint("s1"), seq=40).applied
+
+
+def test_count_sessions_tells_live_from_expired_not_yet_swept(store: CheckpointStore) -> None:
+    assert store.count_sessions() == SessionCounts(0, 0)
+    for session_id in ("a", "b", "c"):
+        store.save(make_checkpoint(session_id), seq=1)
+    store.delete("c", seq=2)
+    assert store.count_sessions() == SessionCounts(live=2, expired=0)
+    later = store.clock() + store.options.ttl_seconds + 1
+    assert store.count_sessions(now=later) == SessionCounts(live=0, expired=2)
+    store.expire_stale(now=later)
+    assert store.count_sessions(now=later) == SessionCounts(0, 0)

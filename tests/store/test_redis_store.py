@@ -150,3 +150,16 @@ def test_tls_url_connects_and_verifies_the_server(tmp_path: Path) -> None:
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+def test_the_layout_of_a_url_is_the_one_its_store_uses(redis_server: RedisServer) -> None:
+    from checkpointq.store.keys import ClusterKeySpace
+    from checkpointq.store.redis import layout
+
+    store = RedisStore.from_url(redis_server.url, prefix="lay")
+    try:
+        assert layout(redis_server.url, "lay") == store.keys
+    finally:
+        store.close()
+    assert layout("redis+cluster://127.0.0.1:1", "lay") == ClusterKeySpace("lay")
+    assert layout("redis://127.0.0.1:1/0?cluster=true", "lay") == ClusterKeySpace("lay")

@@ -40,6 +40,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 from redis.exceptions import RedisClusterException, RedisError
 
+from checkpointq.store.errors import StoreUnavailable
+from checkpointq.store.redis import RedisStore
 from checkpointq.tasks import observers
 from checkpointq.tasks.errors import BrokerUnavailable
 from checkpointq.tasks.observers import Observation, Received
@@ -254,7 +256,7 @@ class RedisGauges:
         self._keys = connections.key_space(resolved)
         self._broker = broker_probe.open_probe(resolved)
         # A cluster client connects as it is built: opened on the first scrape instead.
-        self._store: Any = None
+        self._store: RedisStore | None = None
         self._store_lock = threading.Lock()
 
     def close(self) -> None:
@@ -285,7 +287,7 @@ class RedisGauges:
             yield queue
         try:
             dead, live, expired = self._store_counts()
-        except (RedisError, RedisClusterException) as exc:
+        except (RedisError, RedisClusterException, StoreUnavailable) as exc:
             logger.warning("metrics: store unreadable: %s", exc)
             up.add_metric(["store"], 0)
         else:
@@ -304,18 +306,13 @@ class RedisGauges:
         yield up
 
     def _store_counts(self) -> tuple[int, int, int]:
-        with self._store_lock:  # overlapping scrapes build one client
+        with self._store_lock:  # overlapping scrapes build one store
             if self._store is None:
-                self._store = connections.store_client(self._settings)
-        now_ms = int(time.time() * 1000)
-        index_keys = self._keys.index_keys()
-        pipe = self._store.pipeline(transaction=False)
-        pipe.xlen(self._keys.dead_letters())
-        for key in index_keys:
-            pipe.zcount(key, f"({now_ms}", "+inf")
-            pipe.zcount(key, "-inf", now_ms)
-        replies = [int(v) for v in pipe.execute()]
-        return replies[0], sum(replies[1::2]), sum(replies[2::2])
+                self._store = connections.open_store(self._settings)
+        store = self._store
+        dead = int(store.client.xlen(self._keys.dead_letters()))
+        sessions = store.count_sessions()
+        return dead, sessions.live, sessions.expired
 
 
 # -- wiring into the worker -----------------------------------------------------------------

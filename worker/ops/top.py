@@ -31,6 +31,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from checkpointq.store.errors import StoreUnavailable
 from checkpointq.store.urls import redact_url, redact_urls
 from checkpointq.tasks.errors import BrokerUnavailable
 from checkpointq.worker import connections
@@ -90,25 +91,22 @@ def collect(settings: Settings) -> Snapshot:
 
     Raises:
         BrokerUnavailable: the broker could not be read.
-        redis.RedisError, redis.exceptions.RedisClusterException: nor could the store.
+        StoreUnavailable, redis.RedisError, redis.exceptions.RedisClusterException: nor
+            could the store.
     """
     keys = connections.key_space(settings)
     with broker_probe.open_probe(settings) as probe:
         queued = probe.queue(settings.queue, oldest=True)
-    store = connections.store_client(settings)
+    store = connections.open_store(settings)
     try:
         now = time.time()
-        now_ms = int(now * 1000)
-        index_keys = keys.index_keys()
-        pipe = store.pipeline(transaction=False)
+        pipe = store.client.pipeline(transaction=False)
         pipe.xlen(keys.dead_letters())
         pipe.xlen(keys.events())
-        for key in index_keys:
-            pipe.zcount(key, f"({now_ms}", "+inf")
-            pipe.zcount(key, "-inf", now_ms)
-        dead, events, *counts = (int(v) for v in pipe.execute())
-        workers = health.live_workers(store, keys)
-        next_sweep = health.next_sweep(settings, store)
+        dead, events = (int(v) for v in pipe.execute())
+        sessions = store.count_sessions(now)
+        workers = health.live_workers(store.client, keys)
+        next_sweep = health.next_sweep(settings, store.client)
     finally:
         store.close()
     made = queued.oldest_seq
@@ -118,8 +116,8 @@ def collect(settings: Settings) -> Snapshot:
         queue_depth=queued.depth,
         oldest_queued_seconds=None if made is None else max(0.0, now - made / 1e6),
         oldest_queued_known=queued.oldest_known,
-        live_sessions=sum(counts[0::2]),
-        stale_sessions=sum(counts[1::2]),
+        live_sessions=sessions.live,
+        stale_sessions=sessions.expired,
         dead_letters=dead,
         events=events,
         workers=workers,
@@ -323,7 +321,7 @@ def run(settings: Settings, *, interval: float = 1.0, once: bool = False) -> Non
             throughput.update(last.workers)
         except BrokerUnavailable as exc:
             error = f"broker {redact_urls(str(exc))}"
-        except (redis.RedisError, RedisClusterException) as exc:
+        except (redis.RedisError, RedisClusterException, StoreUnavailable) as exc:
             error = f"store unreachable: {type(exc).__name__}: {redact_urls(str(exc))}"
         if last is None:
             return Text(f"checkpointq top: {error}", style="bold red")
