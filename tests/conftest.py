@@ -1,12 +1,15 @@
-"""Fixtures shared by every test: private redis-server processes on free loopback ports."""
+"""Fixtures shared by every test: private redis-server processes on free loopback ports, and
+the Go cross-check program."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
 
+from tests.support import gostore
 from tests.support.servers import RedisServer
 
 
@@ -26,3 +29,10 @@ def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
     client.flushall()
     yield client
     client.close()
+
+
+@pytest.fixture(scope="session")
+def gostore_binary(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/go/gostore, built once per run (tests/support/gostore.py); skips without Go."""
+    out = tmp_path_factory.mktemp("go") / "gostore"
+    return gostore.build(out, tmp_path_factory.mktemp("gopath"))

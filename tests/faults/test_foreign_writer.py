@@ -1,9 +1,10 @@
 """Scenario 13: a Go ``RedisStore`` writing directly to the sessions the queue writes.
 
 During a rollout some apiserver paths still save (``SET EX 30d``) and delete (``DEL``) through
-the Go store, on our keys, touching no fence and no index (tests/support/go_writer.py writes
-what Go writes). The expected state follows the rules of README's "Go compatibility" section,
-applied to each session's writes in real-time order (``expected``):
+the Go store, on our keys, touching no fence and no index. The direct writer here is the Go
+cross-check program, tests/go/gostore: encoding/json, klauspost's zstd and SET EX / DEL / SCAN,
+as the Go package's ``RedisStore``. The expected state follows the rules of README's "Go
+compatibility" section, applied to each session's writes in real-time order (``expected``):
 
 * a queued save applies iff its ``seq`` is above the last queued request applied; a queued
   delete iff it is at or above it (our fence; Go's writes never move it);
@@ -28,8 +29,10 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from checkpointq.store.reconcile import SCAN_COUNT
+from checkpointq.store.serde import checkpoint_to_wire
 from checkpointq.tasks.producer.client import CheckpointClient, Handle
 from checkpointq.tasks.producer.clock import SeqClock
 from checkpointq.tasks.producer.outcomes import APPLIED
@@ -45,7 +48,7 @@ from tests.faults.harness import (
     push,
 )
 from tests.support.checkpoints import make_checkpoint
-from tests.support.go_writer import GoRedisStore
+from tests.support.gostore import GoStore
 from tests.support.servers import wait_until
 
 #: Our sessions' TTL here (an hour): the sweep's clock is moved past it, not past Go's 30 days.
@@ -128,9 +131,7 @@ def compare(deployment: Deployment, timelines: dict[str, list[Write]]) -> Verdic
     return verdict
 
 
-def converge(
-    deployment: Deployment, go: GoRedisStore, want: set[str], timeout: float
-) -> float | None:
+def converge(deployment: Deployment, go: GoStore, want: set[str], timeout: float) -> float | None:
     """Seconds until the queue is drained and both ``list()`` and the keyspace (what Go's
     ``List`` sees) are exactly ``want``; None if that did not happen within ``timeout``."""
     store = deployment.store()
@@ -159,7 +160,7 @@ class Writers:
 
     deployment: Deployment
     client: CheckpointClient
-    go: GoRedisStore
+    go: GoStore
     timelines: dict[str, list[Write]] = field(default_factory=lambda: defaultdict(list))
     _versions: Iterator[int] = field(default_factory=lambda: iter(range(10**7, 2 * 10**7)))
 
@@ -184,7 +185,7 @@ class Writers:
 
     def go_save(self, sid: str) -> None:
         version = next(self._versions)
-        self.go.save(make_checkpoint(sid, version))
+        self.go.save(checkpoint_to_wire(make_checkpoint(sid, version)))
         self.timelines[sid].append(Write(GO_SAVE, version))
 
     def go_delete(self, sid: str) -> None:
@@ -226,7 +227,7 @@ def reconcile_slices(deployment: Deployment) -> int:
 
 
 def test_a_go_writer_on_the_same_keys_loses_nothing_and_list_converges(
-    deployment: Deployment, scale: Scale
+    deployment: Deployment, scale: Scale, gostore_binary: Path
 ) -> None:
     # Given a worker, and a beat that reconciles and sweeps every second
     deployment.settings.update(
@@ -240,7 +241,7 @@ def test_a_go_writer_on_the_same_keys_loses_nothing_and_list_converges(
     client = CheckpointClient(
         deployment.broker.url, deployment.store(), queue=QUEUE, clock=SeqClock()
     )
-    writers = Writers(deployment, client, GoRedisStore(deployment.store_client()))
+    writers = Writers(deployment, client, GoStore(gostore_binary, deployment.store_server.port))
     rng = random.Random(13)
 
     # When our producer sends a load of saves and deletes over the sessions,
@@ -308,8 +309,8 @@ def test_a_go_writer_on_the_same_keys_loses_nothing_and_list_converges(
         faults=f"Go re-saves and deletes behind the queue (from {queued_at_first_go_write} "
         f"requests still queued); {len(came_back)} saves stamped before a Go delete arrive "
         f"after it; a sweep with its clock {TTL_SECONDS // 3600} h ahead",
-        notes="the Go writer is tests/support/go_writer.py (what Go's RedisStore writes: "
-        "SET zstd(json) EX 30 d, DEL); "
+        notes="the direct writer is tests/go/gostore, a Go program writing as Go's RedisStore "
+        "(encoding/json, klauspost zstd, SET EX 30 d, DEL); "
         f"Go-written values lost: {len(go_lost)} (of {len(go_last)}, then "
         f"{len(writers.go_last())} at the sweep); "
         f"list() converged {seconds(convergence)} after the last write (reconciliation: one "

@@ -11,9 +11,9 @@ import zstandard
 
 from checkpointq.store import RedisStore, StoreOptions, serialize_checkpoint
 from checkpointq.store.serde import checkpoint_to_wire
-from tests.go.conftest import GoStore
 from tests.support.checkpoints import make_checkpoint
 from tests.support.clocks import FakeClock
+from tests.support.gostore import GoStore
 
 GO_TTL_SECONDS = 30 * 24 * 60 * 60
 
