@@ -8,9 +8,11 @@ runs one slice at a time: ``RedisStore.reconcile(budget)`` with the worker's def
 here back to back until a slice completes the pass (beat spaces the slices by
 ``CHECKPOINTQ_RECONCILE_INTERVAL_SECONDS``; convergence time = slices x interval).
 
-"Longest call" is Redis's own account (SLOWLOG on the private server; threshold 100 us,
-read after every slice, so every call that could matter is recorded): a script counts as one
-command.
+"Longest call" is Redis's own account: SLOWLOG on the private server at a 0 us threshold,
+read and reset after every slice, so every command of the pass is recorded (a script counts
+as one command; Redis 7 also logs the commands inside it). SLOWLOG measures wall time: on a
+busy 2-core machine a command during which redis-server was descheduled shows up as a stall,
+so the p99.9 and the count of calls over 5 ms are given beside the maximum.
 """
 
 from __future__ import annotations
@@ -20,7 +22,15 @@ from dataclasses import dataclass
 
 import redis
 
-from bench.harness import RunConfig, SectionReport, Summary, Target, private_redis, summarize
+from bench.harness import (
+    RunConfig,
+    SectionReport,
+    Summary,
+    Target,
+    percentile,
+    private_redis,
+    summarize,
+)
 from bench.sweep_bench import Population, _command
 from bench.workload import make_checkpoint
 from checkpointq.store import RedisStore, StoreOptions
@@ -29,8 +39,8 @@ from checkpointq.worker.settings import Settings
 DAY_MS = 24 * 60 * 60 * 1000
 GO_TTL_SECONDS = 30 * 24 * 60 * 60
 LONGEST_CALL_TARGET_MS = 5.0
-#: Calls at least this long are recorded by SLOWLOG during a pass.
-SLOWLOG_THRESHOLD_US = 100
+#: Every command is recorded by SLOWLOG during a pass.
+SLOWLOG_THRESHOLD_US = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,13 +59,16 @@ class PassResult:
     items_per_second: Summary
     longest_call_ms: float
     longest_call: str
+    p999_call_ms: float
+    calls: int
+    calls_over_target: int
     longest_slice_seconds: float
 
 
 def sizes(config: RunConfig) -> Sizes:
     if config.quick:
         return Sizes(sessions=(2_000,), unrelated=2_000)
-    return Sizes(sessions=(100_000, 1_000_000), unrelated=1_000_000)
+    return Sizes(sessions=(1_000_000,), unrelated=1_000_000)
 
 
 def run(config: RunConfig) -> SectionReport:
@@ -69,7 +82,7 @@ def run(config: RunConfig) -> SectionReport:
 
 
 def _measure(sessions: int, size: Sizes, budget: int, config: RunConfig) -> PassResult:
-    server_args = ("--enable-debug-command", "local", "--slowlog-max-len", "100000")
+    server_args = ("--enable-debug-command", "local", "--slowlog-max-len", "1000000")
     foreign = max(1, sessions // 100)
     with private_redis(*server_args) as client:
         store = RedisStore(client, options=StoreOptions())
@@ -81,13 +94,14 @@ def _measure(sessions: int, size: Sizes, budget: int, config: RunConfig) -> Pass
         population.write(live, 30 * DAY_MS)
         population.check_layout(live[0])
         slices, seconds, rates, slowest = [], [], [], []
+        durations: list[float] = []
         longest: tuple[float, str] = (0.0, "")
         repeats = config.repeats if sessions <= 100_000 else min(config.repeats, 2)
         for rep in range(repeats):
             go_only = [f"go-{rep}-{i:07d}" for i in range(foreign)]
             deleted = live[rep * foreign : (rep + 1) * foreign]
             _stage(client, store, go_only, deleted)
-            count, elapsed, examined, call, slice_max = _one_pass(client, store, budget)
+            count, elapsed, examined, call, slice_max = _one_pass(client, store, budget, durations)
             # As many Go-only sessions adopted as values deleted: N entries again.
             indexed = client.zcard(store.keys.index())
             if indexed != sessions:
@@ -106,6 +120,9 @@ def _measure(sessions: int, size: Sizes, budget: int, config: RunConfig) -> Pass
         summarize(rates),
         longest[0],
         longest[1],
+        percentile(durations, 99.9),
+        len(durations),
+        sum(1 for d in durations if d > LONGEST_CALL_TARGET_MS),
         max(slowest),
     )
 
@@ -126,7 +143,7 @@ def _stage(client: redis.Redis, store: RedisStore, go_only: list[str], deleted: 
 
 
 def _one_pass(
-    client: redis.Redis, store: RedisStore, budget: int
+    client: redis.Redis, store: RedisStore, budget: int, durations: list[float]
 ) -> tuple[int, float, int, tuple[float, str], float]:
     client.config_set("slowlog-log-slower-than", SLOWLOG_THRESHOLD_US)
     client.slowlog_reset()
@@ -150,7 +167,8 @@ def _one_pass(
                 if name in ("SLOWLOG", "CONFIG"):
                     continue
                 label = "a store script" if name in ("EVAL", "EVALSHA") else name
-                longest = max(longest, (int(entry["duration"]) / 1000, label))
+                durations.append(int(entry["duration"]) / 1000)
+                longest = max(longest, (durations[-1], label))
             if report.completed_pass:
                 break
     finally:
@@ -178,8 +196,8 @@ def _write(
         f"slices x `CHECKPOINTQ_RECONCILE_INTERVAL_SECONDS` ({interval:g} s by default).",
         "",
         "| sessions | slices per pass | pass, s (back to back) | **items/s** | longest slice, s "
-        f"| **convergence under beat** | **longest call** (SLOWLOG >= {SLOWLOG_THRESHOLD_US} us) |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| **convergence under beat** | **longest call** | p99.9 call | calls > 5 ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         convergence = r.slices.median * interval
@@ -187,7 +205,8 @@ def _write(
             f"| {r.sessions:,} | {r.slices.median:,.0f} | {r.pass_seconds.fmt('.1f')} | "
             f"**{r.items_per_second.fmt()}** | {r.longest_slice_seconds:.2f} | "
             f"**{convergence / 60:,.1f} min** | **{r.longest_call_ms:.2f} ms** "
-            f"({r.longest_call or 'none over the threshold'}) |"
+            f"({r.longest_call}) | {r.p999_call_ms:.3f} ms | "
+            f"{r.calls_over_target:,} of {r.calls:,} |"
         )
     biggest = results[-1]
     worst = max(r.longest_call_ms for r in results)
