@@ -36,7 +36,7 @@ from checkpointq.worker.settings import Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: Exit code of an expected failure (1 is also what click uses for its own usage errors: 2).
+#: Exit code of every failure, usage errors included (click would use 2 for those).
 EXIT_FAILURE = 1
 #: Sessions expired per sweep call when sweeping by hand (each call is one locked sweep).
 SWEEP_BATCH = 1000
@@ -54,12 +54,50 @@ class CliFailure(click.ClickException):
         click.echo(f"checkpointq: error: {line}", err=True)
 
 
+class _HelpFailure(click.ClickException):
+    """A group called without a command: its help on stderr, and exit 1."""
+
+    exit_code = EXIT_FAILURE
+
+    def __init__(self, ctx: click.Context | None) -> None:
+        super().__init__("no command given")
+        self.ctx = ctx
+
+    def show(self, file: IO[Any] | None = None) -> None:
+        click.echo(self.ctx.get_help() if self.ctx is not None else self.message, err=True)
+
+
+def _usage_failure(exc: click.UsageError) -> CliFailure:
+    """A usage error (unknown option, missing argument, bad value) as one line, exit 1."""
+    where = exc.ctx.command_path if exc.ctx is not None else "checkpointq"
+    return CliFailure(f"{exc.format_message().rstrip('.')} (see `{where} --help`)")
+
+
 class _Cli(click.Group):
-    """The command group: converts expected exceptions into one-line failures."""
+    """The command group: converts expected exceptions, usage errors included, into
+    one-line failures with exit code 1."""
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.exceptions.NoArgsIsHelpError as exc:
+            raise _HelpFailure(exc.ctx) from None  # `checkpointq` alone: the help, and exit 1
+        except click.UsageError as exc:
+            raise _usage_failure(exc) from None
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except click.exceptions.NoArgsIsHelpError as exc:
+            raise _HelpFailure(exc.ctx) from None  # `checkpointq dlq` alone: its help, and exit 1
+        except click.UsageError as exc:
+            raise _usage_failure(exc) from None
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
         except BrokenPipeError:
@@ -83,9 +121,98 @@ def _quiet_stdout() -> None:
     os.close(devnull)
 
 
-def _settings(*, resolve: bool = True) -> Settings:
-    settings = connections.load_settings()
+def _settings(*, resolve: bool = True, **overrides: Any) -> Settings:
+    settings = connections.load_settings(**{k: v for k, v in overrides.items() if v is not None})
     return connections.resolve(settings) if resolve else settings
+
+
+#: Options of the commands that run the system, as Celery users type them, and the settings
+#: each one sets (it wins over the CHECKPOINTQ_ variable).
+RUN_OPTIONS = {
+    "concurrency": "CHECKPOINTQ_CONCURRENCY",
+    "pool": "CHECKPOINTQ_POOL",
+    "queue": "CHECKPOINTQ_QUEUE",
+    "log_level": "CHECKPOINTQ_LOG_LEVEL",
+    "hostname": "CHECKPOINTQ_HOSTNAME",
+}
+
+
+def run_options(function: F) -> F:
+    """``-c``, ``-P``, ``-Q``, ``-n`` (worker settings) and ``-l``, as ``celery worker``
+    takes them; each overrides its CHECKPOINTQ_ variable."""
+    options = [
+        click.option(
+            "-c",
+            "--concurrency",
+            type=click.IntRange(min=1),
+            metavar="N",
+            help="Worker processes (or threads) consuming at once. [CHECKPOINTQ_CONCURRENCY; "
+            "default 2]",
+        ),
+        click.option(
+            "-P",
+            "--pool",
+            type=click.Choice(["prefork", "solo", "threads"]),
+            help="How the worker runs tasks: child processes, in its own process, or "
+            "threads. [CHECKPOINTQ_POOL; default prefork]",
+        ),
+        click.option(
+            "-Q",
+            "--queues",
+            "queue",
+            metavar="QUEUE",
+            help="The queue to consume (one: producers push to it). [CHECKPOINTQ_QUEUE; "
+            "default checkpoints]",
+        ),
+        click.option(
+            "-l",
+            "--loglevel",
+            "log_level",
+            type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+            help="Least severe log level shown; DEBUG logs one line per request. "
+            "[CHECKPOINTQ_LOG_LEVEL; default INFO]",
+        ),
+        click.option(
+            "-n",
+            "--hostname",
+            metavar="NAME",
+            help="The worker's node name, e.g. w1@%h (%h: this host's name). "
+            "[CHECKPOINTQ_HOSTNAME; default celery@<host>]",
+        ),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
+
+
+def _run_settings(run: dict[str, Any], as_json: bool, *, resolve: bool = True) -> Settings:
+    """Settings for a command that runs the system: its options over the environment."""
+    overrides = dict(run)
+    queue = overrides.get("queue")
+    if queue is not None and "," in queue:
+        raise CliFailure(f"-Q takes one queue (checkpointq consumes one), not {queue!r}")
+    if overrides.get("log_level") is not None:
+        overrides["log_level"] = overrides["log_level"].upper()
+    if as_json:
+        overrides["log_format"] = "json"
+    return _settings(resolve=resolve, **overrides)
+
+
+def _override_env(settings: Settings, run: dict[str, Any], as_json: bool) -> dict[str, str]:
+    """The CHECKPOINTQ_ variables a child process needs to get the same overrides."""
+    env = {RUN_OPTIONS[name]: str(getattr(settings, name)) for name, v in run.items() if v}
+    if as_json:
+        env["CHECKPOINTQ_LOG_FORMAT"] = "json"
+    return env
+
+
+def run_json_option(function: F) -> F:
+    return click.option(
+        "--json",
+        "as_json",
+        is_flag=True,
+        help="Log one JSON object per line (CHECKPOINTQ_LOG_FORMAT=json), for log shippers.",
+    )(function)
 
 
 def _emit(as_json: bool, data: Any, human: Iterable[str]) -> None:
@@ -129,7 +256,7 @@ def _configure_logging(settings: Settings) -> None:
     )
 
 
-@click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(name="checkpointq", cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="checkpointq", prog_name="checkpointq")
 def cli() -> None:
     """Persist AI-agent session checkpoints through Celery workers on Redis."""
@@ -139,11 +266,18 @@ def cli() -> None:
 
 
 @cli.command()
-def up() -> None:
-    """Worker and beat together (and an embedded Redis when no broker URL is set)."""
+@run_options
+@run_json_option
+def up(as_json: bool, **run: Any) -> None:
+    """Run everything in the foreground: a worker and beat, and an embedded Redis (unix
+    socket and AOF under CHECKPOINTQ_DATA_DIR) when no CHECKPOINTQ_BROKER_URL is set.
+
+    Once the worker consumes, it prints where everything is and how other shells and
+    programs reach it. Ctrl-C (or SIGTERM) stops the worker and beat, then the Redis.
+    """
     from checkpointq.worker.supervisor import Supervisor  # the embedded Redis etc. only when run
 
-    settings = _settings(resolve=False)
+    settings = _run_settings(run, as_json, resolve=False)
     embedded = settings.broker_url is None or settings.found_embedded
     if settings.found_embedded:
         # Another `up` serves this directory: starting ours fails with that message.
@@ -155,14 +289,27 @@ def up() -> None:
         else f"embedded Redis under {settings.data_dir.resolve()}"
     )
     click.echo(f"checkpointq up: starting; broker {where}", err=True)
-    Supervisor(settings, on_ready=lambda running: _ready_block(running, embedded)).run()
+    Supervisor(
+        settings,
+        on_ready=lambda running: _ready_block(running, embedded, as_json),
+        child_env=_override_env(settings, run, as_json),
+    ).run()
     click.echo("checkpointq up: stopped", err=True)
 
 
-def _ready_block(settings: Settings, embedded: bool) -> None:
+def _ready_block(settings: Settings, embedded: bool, as_json: bool) -> None:
     """What ``up`` prints once its worker consumes: where it is and how to reach it."""
     url = redact_url(settings.broker_url or "")
     data = f"{settings.data_dir.resolve()} (embedded Redis, AOF)" if embedded else "-"
+    if as_json:
+        ready = {
+            "event": "ready",
+            "data_dir": str(settings.data_dir.resolve()) if embedded else None,
+            "broker_url": url,
+            "queue": settings.queue,
+        }
+        click.echo(json.dumps(ready), err=True)
+        return
     lines = [
         "",
         "checkpointq is ready: a worker consumes queue "
@@ -180,13 +327,19 @@ def _ready_block(settings: Settings, embedded: bool) -> None:
 
 
 @cli.command()
-def worker() -> None:
-    """A Celery worker consuming the checkpoints queue."""
+@run_options
+@run_json_option
+def worker(as_json: bool, **run: Any) -> None:
+    """One Celery worker consuming the queue (what `up` runs, without beat or Redis).
+
+    Run as many as the load needs, on any hosts that reach the broker; give each a node
+    name of its own (-n) when several share a host.
+    """
     from checkpointq.worker.app import (
         create_app,  # Celery is imported only by the commands that run it
     )
 
-    settings = _settings()
+    settings = _run_settings(run, as_json)
     app = create_app(settings)
     argv = [
         "worker",
@@ -195,6 +348,8 @@ def worker() -> None:
         "--pool", settings.pool,
         "--concurrency", str(settings.concurrency),
     ]  # fmt: skip
+    if settings.hostname:
+        argv += ["--hostname", settings.hostname]
     if not settings.remote_control:
         # Mingle and gossip talk over the same broadcast channel as remote control; without
         # it they only cost a second at start-up and a message per worker event.
@@ -203,13 +358,22 @@ def worker() -> None:
 
 
 @cli.command()
-def beat() -> None:
-    """Celery beat: schedules the sweep of expired sessions."""
+@click.option(
+    "-l",
+    "--loglevel",
+    "log_level",
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+    help="Least severe log level shown. [CHECKPOINTQ_LOG_LEVEL; default INFO]",
+)
+@run_json_option
+def beat(log_level: str | None, as_json: bool) -> None:
+    """Celery beat: enqueues the sweep of expired sessions every
+    CHECKPOINTQ_SWEEP_INTERVAL_SECONDS. Run one (a second one waits on its lock)."""
     from checkpointq.worker.app import (
         create_app,  # Celery is imported only by the commands that run it
     )
 
-    settings = _settings()
+    settings = _run_settings({"log_level": log_level}, as_json)
     app = create_app(settings)
     app.start(["beat", "--loglevel", settings.log_level])
 
@@ -341,7 +505,9 @@ def show(session_id: str, as_json: bool) -> None:
 
 
 @cli.command(name="ls")
-@click.option("--limit", type=click.IntRange(min=1), help="Stop after this many ids.")
+@click.option(
+    "--limit", type=click.IntRange(min=1), metavar="N", help="Print at most N ids, then stop."
+)
 @click.option(
     "--cursor", help="Print one page starting at this cursor (from a previous --page-size)."
 )
@@ -394,14 +560,37 @@ def stats(as_json: bool) -> None:
     metavar="SECONDS",
     help="Seconds between two refreshes of the screen.",
 )
-@click.option("--once", is_flag=True, help="Draw one screen and exit.")
-def top(interval: float, once: bool) -> None:
-    """A live view: throughput by outcome, queue depth, lag, dead letters, next sweep."""
+@click.option(
+    "--once",
+    is_flag=True,
+    help="Draw one screen and exit: 0 if the broker and store could be read, else 1.",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one JSON snapshot (what `stats --json` prints) per interval instead of the "
+    "screen; with --once, one.",
+)
+def top(interval: float, once: bool, as_json: bool) -> None:
+    """A live view: throughput by outcome, queue depth, lag, dead letters, next sweep,
+    workers. Fits 80x24; q (or Ctrl-C) quits."""
     from checkpointq.worker.ops import (
         top as top_view,  # rich is imported only by the commands that use it
     )
 
-    top_view.run(_settings(), interval=interval, once=once)
+    settings = _settings()
+    if as_json:
+        try:
+            while True:
+                click.echo(json.dumps(top_view.collect(settings).as_json()))
+                if once:
+                    return
+                time.sleep(interval)
+        except KeyboardInterrupt:
+            return
+    if not top_view.run(settings, interval=interval, once=once):
+        raise SystemExit(EXIT_FAILURE)
 
 
 @cli.command()
@@ -483,7 +672,14 @@ def dlq() -> None:
 
 
 @dlq.command(name="ls")
-@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=50,
+    show_default=True,
+    metavar="N",
+    help="Entries per page; when more remain, the next page's command is printed on stderr.",
+)
 @click.option("--cursor", help="Continue after this entry id (printed by the previous page).")
 @json_option
 def dlq_list(limit: int, cursor: str | None, as_json: bool) -> None:

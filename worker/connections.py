@@ -32,15 +32,16 @@ class InvalidSettings(CheckpointError):
     """A CHECKPOINTQ_ variable holds a value the settings refuse."""
 
 
-def load_settings() -> Settings:
-    """Read the settings, turning a validation failure into one line without the values.
+def load_settings(**overrides: Any) -> Settings:
+    """Read the settings (``overrides``, by field name, win over the environment), turning
+    a validation failure into one line without the values.
 
     Raises:
         InvalidSettings: the first refused variable and why (its value is not echoed: it
             may be a URL with a password).
     """
     try:
-        return Settings()
+        return Settings(**overrides)
     except ValidationError as exc:
         first = exc.errors(include_url=False, include_input=False)[0]
         name = "_".join(str(part) for part in first["loc"]).upper()

@@ -87,6 +87,9 @@ class Settings(BaseSettings):
     #: Worker pool and processes (or threads) per worker.
     pool: Literal["prefork", "solo", "threads"] = "prefork"
     concurrency: int = Field(default=2, ge=1)
+    #: The worker's node name (Celery's ``-n``: ``%h`` is the host name), shown by `health`,
+    #: `top` and Flower. Unset: Celery's ``celery@<host>``. Two workers on one host need two.
+    hostname: str | None = None
     #: On SIGTERM, seconds a worker keeps running its current tasks before it stops and
     #: requeues every message it still holds (retries waiting for their countdown included).
     shutdown_timeout_seconds: float = Field(default=10.0, ge=0)

@@ -15,7 +15,7 @@ import sys
 import threading
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 
 import redis
@@ -52,6 +52,9 @@ class Supervisor:
     grace_seconds: float = CHILD_GRACE_SECONDS
     #: Called once, with the running system's settings, when the worker is consuming.
     on_ready: Callable[[Settings], None] | None = None
+    #: CHECKPOINTQ_ variables for the children beyond this process's environment (the
+    #: command-line options of `up`).
+    child_env: dict[str, str] = field(default_factory=dict)
 
     def run(self) -> None:
         """Block until SIGINT/SIGTERM (clean stop) or a child exits (raises ChildFailed)."""
@@ -84,7 +87,7 @@ class Supervisor:
                 signal.signal(sig, handler)
 
     def _start_children(self, settings: Settings) -> dict[str, subprocess.Popen[bytes]]:
-        env = dict(os.environ)
+        env = {**os.environ, **self.child_env}
         if settings.broker_url is not None:
             env["CHECKPOINTQ_BROKER_URL"] = settings.broker_url
         if settings.store_url is not None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import click
 import pytest
 
+from checkpointq.worker.cli import cli
 from tests.cli.conftest import Cli
 from tests.support.servers import SilentListener, free_port
 
@@ -134,5 +136,45 @@ def test_wait_options_explain_themselves_and_refuse_a_timeout_that_is_not_positi
     target = "-" if command == "save" else "s1"
     result = cli_offline(command, target, "--wait", "--timeout", "0", input="{}")
 
-    assert result.exit_code == 2
+    assert result.exit_code == 1
+    assert result.stderr.count("\n") == 1
     assert "--timeout" in result.stderr
+
+
+def _commands(group: click.Group, path: str = "") -> list[tuple[str, click.Command]]:
+    found = []
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            found += _commands(command, f"{path}{name} ")
+        else:
+            found.append((f"{path}{name}", command))
+    return found
+
+
+def test_every_command_takes_json_and_explains_each_option() -> None:
+    for name, command in _commands(cli):
+        options = [p for p in command.params if isinstance(p, click.Option)]
+        assert any("--json" in o.opts for o in options), f"{name} has no --json"
+        for option in options:
+            assert option.help and len(option.help) > 20, f"{name} {option.opts}: no help"
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["save"], "Missing argument 'FILE|-' (see `checkpointq save --help`)"),
+        (["ls", "--bogus"], "No such option '--bogus' (see `checkpointq ls --help`)"),
+        (["nosuch"], "No such command 'nosuch' (see `checkpointq --help`)"),
+        (["dlq", "replay"], "give entry ids or --all (not both)"),
+        (["worker", "-Q", "a,b"], "-Q takes one queue"),
+    ],
+)
+def test_usage_errors_are_one_line_with_exit_1(
+    cli_offline: Cli, args: list[str], expected: str
+) -> None:
+    result = cli_offline(*args)
+
+    assert result.exit_code == 1
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("checkpointq: error: ")
+    assert expected in result.stderr

@@ -169,3 +169,34 @@ def test_up_on_a_password_url_never_shows_the_password_and_stops_on_sigterm(
         assert secret not in shown
     finally:
         server.cleanup()
+
+
+def test_scripts_up_passes_celery_style_options_onto_the_settings(cli_offline: Cli) -> None:
+    # Given ./scripts/up started with the options Celery users type, and a data dir of its own
+    data_dir = cli_offline.cwd / "data"
+    cli_offline.env["CHECKPOINTQ_DATA_DIR"] = str(data_dir)
+    log_path = cli_offline.cwd / "scripts-up.log"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "up"
+    args = ["-c", "1", "-P", "solo", "-Q", "custom-q", "-n", "one@%h", "-l", "debug"]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [str(script), *args], env=cli_offline.process_env(), stdout=log, stderr=log
+        )
+    try:
+        # When it is ready
+        wait_until(
+            lambda: "Ctrl-C to stop" in log_path.read_text(errors="replace"),
+            timeout=DEADLINE,
+            message=f"scripts/up ready; log: {log_path}",
+        )
+
+        # Then the worker runs with them: its name, queue, pool and log level
+        health = json.loads(cli_offline.run("health", "--json").stdout)
+        assert "one@" in health["checks"]["worker"]["detail"]
+        text = log_path.read_text(errors="replace")
+        assert "consumes queue 'custom-q'" in text
+        assert "concurrency: 1 (solo)" in text
+        assert "DEBUG" in text
+    finally:
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=DEADLINE) == 0, log_path.read_text(errors="replace")

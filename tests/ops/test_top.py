@@ -21,7 +21,7 @@ import pyte
 from tests.ops.conftest import System
 from tests.support.celery_processes import REPO
 from tests.support.checkpoints import make_checkpoint
-from tests.support.servers import wait_until
+from tests.support.servers import free_port, wait_until
 
 COLUMNS, ROWS = 120, 60
 
@@ -29,13 +29,15 @@ COLUMNS, ROWS = 120, 60
 class Terminal:
     """A program on a pseudo-terminal, and the screen it draws."""
 
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+    def __init__(
+        self, args: list[str], env: dict[str, str], columns: int = COLUMNS, rows: int = ROWS
+    ) -> None:
         master, slave = pty.openpty()
-        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLUMNS, 0, 0))
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
         self.process = subprocess.Popen(
             args,
             cwd=REPO,
-            env={**env, "TERM": "xterm-256color", "COLUMNS": str(COLUMNS), "LINES": str(ROWS)},
+            env={**env, "TERM": "xterm-256color", "COLUMNS": str(columns), "LINES": str(rows)},
             stdin=slave,
             stdout=slave,
             stderr=slave,
@@ -43,7 +45,7 @@ class Terminal:
         )
         os.close(slave)
         self.master = master
-        self.screen = pyte.Screen(COLUMNS, ROWS)
+        self.screen = pyte.Screen(columns, rows)
         self.stream = pyte.ByteStream(self.screen)
 
     def lines(self) -> list[str]:
@@ -74,9 +76,12 @@ class Terminal:
 
 
 @contextmanager
-def top(system: System) -> Iterator[Terminal]:
+def top(system: System, columns: int = COLUMNS, rows: int = ROWS) -> Iterator[Terminal]:
     terminal = Terminal(
-        [sys.executable, "-m", "checkpointq.worker.cli", "top", "--interval", "0.2"], system.env()
+        [sys.executable, "-m", "checkpointq.worker.cli", "top", "--interval", "0.2"],
+        system.env(),
+        columns,
+        rows,
     )
     try:
         yield terminal
@@ -86,29 +91,29 @@ def top(system: System) -> Iterator[Terminal]:
             terminal.process.wait()
 
 
-def cells(line: str) -> list[str]:
-    """The cells of a table row drawn with box characters."""
-    return [cell.strip() for cell in line.strip("│ ").split("│")]
+def _holds(words: list[str], expected: list[str]) -> bool:
+    return any(words[i : i + len(expected)] == expected for i in range(len(words)))
 
 
 def row(*expected: str) -> Callable[[list[str]], bool]:
-    """Whether some table row starts with exactly these cells."""
-    return lambda lines: any(cells(line)[: len(expected)] == list(expected) for line in lines)
+    """Whether some line shows these cells side by side (tables are drawn without borders,
+    two may stand side by side)."""
+    return lambda lines: any(_holds(line.split(), list(expected)) for line in lines)
 
 
 def total(task: str, outcome: str, count: int) -> Callable[[list[str]], bool]:
     """Whether the throughput table shows ``count`` requests in all for task and outcome."""
 
     def shown(lines: list[str]) -> bool:
-        rows = [cells(line) for line in lines]
+        rows = [line.split() for line in lines]
         return any(r[:2] == [task, outcome] and r[3:4] == [str(count)] for r in rows)
 
     return shown
 
 
 def field(name: str, shown: str) -> Callable[[list[str]], bool]:
-    """Whether a ``name   value`` line shows ``shown``."""
-    return lambda lines: any(line.split() == [*name.split(), shown] for line in lines)
+    """Whether a ``name  value`` pair (two pairs share a line) shows ``shown``."""
+    return lambda lines: any(_holds(line.split(), [*name.split(), shown]) for line in lines)
 
 
 def all_of(*checks: Callable[[list[str]], bool]) -> Callable[[list[str]], bool]:
@@ -161,8 +166,8 @@ def test_top_shows_real_throughput_queue_and_dead_letters_of_a_live_system(
             timeout=30,
             what="the queued requests",
         )
-        (oldest,) = [line for line in lines if line.startswith("oldest queued")]
-        assert oldest.split()[2:] != ["-"]  # e.g. "oldest queued   350 ms"
+        (oldest,) = [line for line in lines if "oldest queued" in line]
+        assert oldest.split("oldest queued")[1].split() != ["-"]  # e.g. "oldest queued  350 ms"
 
         # And Ctrl-C stops it cleanly
         assert terminal.interrupt() == 0
@@ -184,3 +189,51 @@ def test_stats_shows_the_numbers_top_shows(system: System) -> None:
     text = system.cli("stats").stdout
     assert "live_sessions          2" in text
     assert "workers                1" in text
+
+
+def test_top_fits_80_by_24_says_q_quits_and_quits_on_q(system: System) -> None:
+    # Given a live worker that applied saves, deletes and refused one message
+    system.start_worker()
+    with system.client() as client:
+        handles = [client.save(make_checkpoint(f"small-{i}")) for i in range(3)]
+        handles.append(client.delete("small-0"))
+        client.send("checkpoint.frobnicate", [], {})
+        for handle in handles:
+            client.wait_durable(handle, timeout=30)
+    system.wait_drained()
+
+    with top(system, columns=80, rows=24) as terminal:
+        # When top runs in an 80x24 terminal, every part is on the screen at once: the quit
+        # key, the state, the throughput table, dead letters by reason and the worker row
+        lines = terminal.wait_for(
+            all_of(
+                lambda lines: "q: quit" in lines[0],
+                total("save", "applied", 3),
+                row("unknown_task", "1"),
+                field("workers", "1"),
+                lambda lines: any("@" in line for line in lines[1:]),  # the worker's row
+            ),
+            timeout=30,
+            what="the whole view within 80x24",
+        )
+        assert all(len(line) <= 80 for line in lines)
+        assert any("queue depth" in line for line in lines)
+
+        # When q is pressed, Then top exits cleanly
+        os.write(terminal.master, b"q")
+        assert terminal.process.wait(timeout=10) == 0
+        os.close(terminal.master)
+
+
+def test_top_once_exits_1_when_the_broker_cannot_be_read(system: System) -> None:
+    env = {**system.env(), "CHECKPOINTQ_BROKER_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "checkpointq.worker.cli", "top", "--once"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "unreachable" in done.stdout + done.stderr

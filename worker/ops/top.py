@@ -21,12 +21,19 @@ Where the numbers come from, and why:
 
 from __future__ import annotations
 
+import contextlib
+import os
+import select
+import sys
+import termios
 import time
-from collections.abc import Iterable
+import tty
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from rich import box
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
@@ -215,61 +222,105 @@ def _oldest(snapshot: Snapshot) -> str:
     return _duration(snapshot.oldest_queued_seconds)
 
 
+#: Rows of the throughput table and of the workers table that fit an 80x24 terminal with
+#: everything else on the screen; more are summed up in one "+N more" row.
+MAX_FLOW_ROWS = 7
+MAX_WORKER_ROWS = 4
+
+
+def _table(title: str, *columns: str) -> Table:
+    """A borderless table (a rule under its header): every line of the screen is data."""
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1))
+    table.show_edge = False
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("task", "outcome") else "right")
+    return table
+
+
+def _capped(table: Table, rows: Sequence[tuple[str, ...]], limit: int) -> Table:
+    for row in rows[:limit]:
+        table.add_row(*row)
+    if len(rows) > limit:
+        table.add_row(f"+{len(rows) - limit} more", *([""] * (len(table.columns) - 1)))
+    return table
+
+
 def render(
     snapshot: Snapshot, throughput: Throughput, settings: Settings, error: str | None = None
 ) -> RenderableType:
-    """The screen: a header, queue and sessions, throughput, dead letters, workers."""
+    """The screen, within 80x24: a header, queue and sessions, throughput, dead letters by
+    reason beside the workers."""
     clock = datetime.fromtimestamp(snapshot.time, UTC).strftime("%H:%M:%SZ")
-    header = Text.assemble(
-        ("checkpointq top", "bold"),
-        f"  broker {redact_url(settings.broker_url or '')}  queue {snapshot.queue}  {clock}",
+    header = Table.grid(expand=True)
+    header.add_column(no_wrap=True, overflow="ellipsis", ratio=1)
+    header.add_column(justify="right", no_wrap=True)
+    header.add_row(
+        Text.assemble(
+            ("checkpointq top", "bold"),
+            f"  {clock}  queue {snapshot.queue}  {redact_url(settings.broker_url or '')}",
+        ),
+        Text("  q: quit", style="reverse"),
     )
+    lines: list[RenderableType] = [header]
     if error:
-        header.append(f"\n{error}", style="bold red")
+        lines.append(Text(error, style="bold red", no_wrap=True, overflow="ellipsis"))
 
-    state = Table.grid(padding=(0, 2))
-    state.add_row("queue depth", str(snapshot.queue_depth))
-    state.add_row("oldest queued", _oldest(snapshot))
-    state.add_row("lag (mean)", _duration(throughput.mean_lag()))
-    state.add_row("live sessions", str(snapshot.live_sessions))
-    state.add_row("expired, unswept", str(snapshot.stale_sessions))
-    state.add_row("dead letters", str(snapshot.dead_letters))
     due = None if snapshot.next_sweep is None else snapshot.next_sweep - snapshot.time
-    state.add_row("next sweep", "no beat" if due is None else f"in {_duration(max(0.0, due))}")
-    state.add_row("workers", str(len(snapshot.workers)))
+    state = Table.grid(padding=(0, 2))
+    for _ in range(4):
+        state.add_column()
+    state.add_row("queue depth", str(snapshot.queue_depth), "oldest queued", _oldest(snapshot))
+    state.add_row(
+        "lag (mean)",
+        _duration(throughput.mean_lag()),
+        "next sweep",
+        "no beat" if due is None else f"in {_duration(max(0.0, due))}",
+    )
+    state.add_row(
+        "live sessions",
+        str(snapshot.live_sessions),
+        "expired, unswept",
+        str(snapshot.stale_sessions),
+    )
+    state.add_row("dead letters", str(snapshot.dead_letters), "workers", str(len(snapshot.workers)))
 
     rates = throughput.rates()
-    flow = Table(title="throughput (live workers)", title_justify="left")
-    flow.add_column("task")
-    flow.add_column("outcome")
-    flow.add_column("per s", justify="right")
-    flow.add_column("total", justify="right")
     order = {name: i for i, name in enumerate(OUTCOME_ORDER)}
+    flow_rows = []
     for name in sorted(snapshot.requests, key=lambda n: (order.get(n.split(":")[1], 99), n)):
         task, outcome = name.split(":", 1)
         rate = rates.get(name)
-        flow.add_row(
-            task, outcome, "-" if rate is None else f"{rate:.1f}", str(snapshot.requests[name])
-        )
+        per_s = "-" if rate is None else f"{rate:.1f}"
+        flow_rows.append((task, outcome, per_s, str(snapshot.requests[name])))
+    flow = _capped(
+        _table("throughput (live workers)", "task", "outcome", "per s", "total"),
+        flow_rows,
+        MAX_FLOW_ROWS,
+    )
 
-    letters = Table(title="dead-lettered by reason (live workers)", title_justify="left")
-    letters.add_column("reason")
-    letters.add_column("total", justify="right")
-    for kind, count in sorted(snapshot.dead_letters_by_reason.items()):
-        letters.add_row(kind, str(count))
-
-    workers = Table(title="workers", title_justify="left")
-    for column in ("name", "host", "pid", "up", "last beat"):
-        workers.add_column(column)
-    for beat in snapshot.workers:
-        workers.add_row(
-            str(beat.get("worker")),
-            str(beat.get("host")),
-            str(beat.get("pid")),
-            _duration(snapshot.time - float(beat.get("started", snapshot.time))),
-            _duration(max(0.0, snapshot.time - float(beat.get("time", snapshot.time)))),
-        )
-    return Group(header, Text(""), state, Text(""), flow, letters, workers)
+    letters = _capped(
+        _table("refused, by reason", "reason", "total"),
+        [(kind, str(count)) for kind, count in sorted(snapshot.dead_letters_by_reason.items())],
+        MAX_WORKER_ROWS,
+    )
+    workers = _capped(
+        _table("workers", "name", "pid", "up", "last beat"),
+        [
+            (
+                str(beat.get("worker")),
+                str(beat.get("pid")),
+                _duration(snapshot.time - float(beat.get("started", snapshot.time))),
+                _duration(max(0.0, snapshot.time - float(beat.get("time", snapshot.time)))),
+            )
+            for beat in snapshot.workers
+        ],
+        MAX_WORKER_ROWS,
+    )
+    below = Table.grid(padding=(0, 3))
+    below.add_column()
+    below.add_column()
+    below.add_row(letters, workers)
+    return Group(*lines, Text(""), state, Text(""), flow, below)
 
 
 def stats_lines(snapshot: Snapshot) -> list[str]:
@@ -299,8 +350,9 @@ def stats_lines(snapshot: Snapshot) -> list[str]:
     return lines
 
 
-def run(settings: Settings, *, interval: float = 1.0, once: bool = False) -> None:
-    """Redraw the view every ``interval`` seconds until Ctrl-C (or once, with ``once``).
+def run(settings: Settings, *, interval: float = 1.0, once: bool = False) -> bool:
+    """Redraw the view every ``interval`` seconds until ``q`` or Ctrl-C (or once, with
+    ``once``). Returns whether the last snapshot could be read.
 
     A broker or store that stops answering is shown on the screen, and the view keeps trying.
     """
@@ -313,8 +365,10 @@ def run(settings: Settings, *, interval: float = 1.0, once: bool = False) -> Non
     throughput = Throughput()
     last: Snapshot | None = None
 
+    failed: str | None = None
+
     def frame() -> RenderableType:
-        nonlocal last
+        nonlocal last, failed
         error = None
         try:
             last = collect(settings)
@@ -323,17 +377,50 @@ def run(settings: Settings, *, interval: float = 1.0, once: bool = False) -> Non
             error = f"broker {redact_urls(str(exc))}"
         except (redis.RedisError, RedisClusterException, StoreUnavailable) as exc:
             error = f"store unreachable: {type(exc).__name__}: {redact_urls(str(exc))}"
+        failed = error
         if last is None:
             return Text(f"checkpointq top: {error}", style="bold red")
         return render(last, throughput, settings, error)
 
     if once:
         console.print(frame())
-        return
-    with Live(frame(), console=console, auto_refresh=False, screen=False) as live:
+        return failed is None
+    with _keys() as key, Live(frame(), console=console, auto_refresh=False, screen=False) as live:
         try:
-            while True:
-                time.sleep(interval)
+            while key(interval) not in ("q", "Q"):
                 live.update(frame(), refresh=True)
         except KeyboardInterrupt:
             pass
+    return True
+
+
+@contextlib.contextmanager
+def _keys() -> Iterator[Callable[[float], str | None]]:
+    """``key(timeout)``: the key pressed within ``timeout`` seconds, or None. The terminal
+    is in cbreak mode meanwhile (keys arrive unbuffered, unechoed; Ctrl-C still works)."""
+    if not sys.stdin.isatty():
+
+        def no_key(timeout: float) -> str | None:
+            time.sleep(timeout)
+            return None
+
+        yield no_key
+        return
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    tty.setcbreak(fd)
+
+    def key(timeout: float) -> str | None:
+        ready, _, _ = select.select([fd], [], [], timeout)
+        if not ready:
+            return None
+        pressed = os.read(fd, 1)
+        if not pressed:  # the terminal closed: wait out the interval
+            time.sleep(timeout)
+            return None
+        return pressed.decode(errors="replace")
+
+    try:
+        yield key
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
