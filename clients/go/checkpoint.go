@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"time"
-	"unicode"
 	"unicode/utf8"
 )
 
@@ -82,30 +81,16 @@ func DeserializeCheckpoint(data []byte) (*Checkpoint, error) {
 	return &cp, nil
 }
 
-// MaxSessionIDLength is the longest session id the workers accept, in characters.
-const MaxSessionIDLength = 256
-
 // ValidateSessionID applies the workers' rule (store/model.py validate_session_id) before
-// anything is published: 1 to 256 characters, valid UTF-8, and no control, format or
-// line/paragraph separator characters.
+// anything is published: any non-empty string, as the Go checkpoint package accepts, that is
+// valid UTF-8 (a JSON message cannot carry other bytes: encoding/json would replace them, and
+// the session would be stored under another id).
 func ValidateSessionID(id string) error {
 	if id == "" {
 		return fmt.Errorf("%w: sessionId must not be empty", ErrInvalidInput)
 	}
 	if !utf8.ValidString(id) {
 		return fmt.Errorf("%w: sessionId is not valid UTF-8", ErrInvalidInput)
-	}
-	if n := utf8.RuneCountInString(id); n > MaxSessionIDLength {
-		return fmt.Errorf("%w: sessionId is %d characters long; the limit is %d",
-			ErrInvalidInput, n, MaxSessionIDLength)
-	}
-	position := 0
-	for _, r := range id {
-		if unicode.In(r, unicode.Cc, unicode.Cf, unicode.Zl, unicode.Zp) {
-			return fmt.Errorf("%w: sessionId holds a control or invisible character (U+%04X) at position %d",
-				ErrInvalidInput, r, position)
-		}
-		position++
 	}
 	return nil
 }

@@ -301,9 +301,8 @@ func TestInvalidRequestsAreRefusedBeforePublishing(t *testing.T) {
 	c := newClient[Checkpoint](t, Config{Broker: held, MaxMessageBytes: 4096})
 	ctx := background(t)
 	cases := map[string]func() error{
-		"control character": func() error { _, err := c.Save(ctx, sampleCheckpoint("bad\x00id", 1)); return err },
-		"format character":  func() error { return c.Delete(ctx, "bidi\u202eid") },
-		"too long":          func() error { _, err := c.Save(ctx, sampleCheckpoint(strings.Repeat("x", 257), 1)); return err },
+		"empty id":      func() error { _, err := c.Save(ctx, sampleCheckpoint("", 1)); return err },
+		"invalid UTF-8": func() error { return c.Delete(ctx, "bad\xffid") },
 		"too large": func() error {
 			_, err := c.Save(ctx, sampleCheckpoint("big", 1, strings.Repeat("x", 5000)))
 			return err

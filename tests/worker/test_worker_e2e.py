@@ -38,6 +38,21 @@ def test_save_through_the_client_is_applied_and_readable(live: Deployment) -> No
         assert client.list() == ["client-save"]
 
 
+def test_ids_go_accepts_are_saved_and_deleted_through_the_queue(live: Deployment) -> None:
+    # Given ids that Go's store accepts: a tab, U+2028, 300 characters
+    odd = ["tab\there", "line\u2028sep", "x" * 300]
+    with live.checkpoint_client() as client:
+        # When each is saved through the queue, Then each is applied and reads back
+        for session_id in odd:
+            fence = client.wait_durable(client.save(make_checkpoint(session_id)), timeout=15)
+            assert not fence.deleted
+        assert sorted(client.list()) == sorted(odd)
+        assert all(client.load(session_id) is not None for session_id in odd)
+        # And a delete through the queue removes one
+        client.wait_durable(client.delete(odd[0]), timeout=15)
+        assert sorted(client.list()) == sorted(odd[1:])
+
+
 def test_raw_lpush_protocol2_envelope_is_applied(live: Deployment) -> None:
     # Given a producer with no Celery library: it LPUSHes the documented JSON envelope
     broker = live.broker_client()
