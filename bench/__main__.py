@@ -27,6 +27,7 @@ SECTIONS = {
     "memory": "bench.memory_bench",
     "sweep": "bench.sweep_bench",
     "reconcile": "bench.reconcile_bench",
+    "cluster": "bench.cluster_bench",
 }
 
 RESULTS = Path(__file__).parent / "results"
