@@ -91,13 +91,6 @@ class ClusterPopulation(Population):
             nodes[node.name] = node
         now_ms = int(time.time() * 1000)
         deadline = now_ms + ttl_ms
-        fence_fields: dict[str | bytes, str | int] = {
-            "seq": now_ms * 1000,
-            "deleted": "0",
-            "deadline": deadline,
-            "expires": deadline,
-            "req": "",
-        }
         for name, node_ids in by_node.items():
             connection = self.cluster.get_redis_connection(nodes[name])
             for start in range(0, len(node_ids), POPULATE_BATCH):
@@ -105,7 +98,16 @@ class ClusterPopulation(Population):
                 for session_id in node_ids[start : start + POPULATE_BATCH]:
                     session = keys.session(session_id)
                     pipe.set(session.data, self.value, pxat=deadline)
-                    pipe.hset(session.fence, mapping=fence_fields)
+                    pipe.hset(
+                        session.fence,
+                        mapping={
+                            "seq": now_ms * 1000,
+                            "deleted": "0",
+                            "deadline": deadline,
+                            "expires": deadline,
+                            "req": "",
+                        },
+                    )
                     pipe.pexpire(session.fence, ttl_ms + self.fence_extra_ms)
                     pipe.zadd(session.index, {session_id: deadline})
                 pipe.execute()

@@ -12,6 +12,7 @@ from checkpointq.store.base import (
     Page,
     SaveOp,
     SaveResult,
+    SessionCounts,
     StoreOptions,
 )
 from checkpointq.store.errors import (
@@ -60,6 +61,7 @@ __all__ = [
     "RedisStore",
     "SaveOp",
     "SaveResult",
+    "SessionCounts",
     "StoreOptions",
     "StoreUnavailable",
     "checkpoint_from_wire",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, Protocol
@@ -24,6 +25,8 @@ from typing import Any, Protocol
 import redis
 from redis import exceptions as redis_errors
 from redis.cluster import RedisCluster
+from redis.commands.core import Script
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS
 
 from checkpointq.store.base import (
     BatchOp,
@@ -59,9 +62,6 @@ logger = logging.getLogger(__name__)
 #: Sessions expired per pipelined round trip in a sweep: large enough to amortise the round
 #: trip, small enough that one pipeline never holds Redis for more than a millisecond or so.
 SWEEP_BATCH = 500
-
-#: Slot indexes read per pipelined round trip when listing a cluster layout.
-SHARD_BATCH = 128
 
 #: Slot indexes one ``due.lua`` call reads on a cluster node: about a millisecond of the
 #: node's time when none holds a due session, so no call holds a node for long.
@@ -161,10 +161,13 @@ class RedisStore(CheckpointStore):
         self._display_url = redact_url(url) if url else "<client>"
         # Where the next sweep starts, so that a backlog in early slots cannot starve the rest.
         self._sweep_from = 0
-        # Cluster sweeps: the slot indexes grouped by the node serving them, and the slot map
-        # they were grouped by (the client replaces it when it relearns the topology).
+        # Cluster sweeps, pages and counts: the slot indexes grouped by the node serving
+        # them, the slot map they were grouped by (the client replaces it when it relearns
+        # the topology), and for each slot its run and the run's first slot.
         self._node_chunks: list[tuple[Any, list[str]]] = []
         self._chunked_by: object = None
+        self._chunk_of_slot: list[int] = []
+        self._chunk_of_slot_start: list[int] = []
         self._relearn_slots = False
 
     @classmethod
@@ -392,31 +395,30 @@ class RedisStore(CheckpointStore):
 
     def list_page(self, cursor: str | None = None, count: int = 1000) -> Page:
         """One page of live ids; the cursor is ZSCAN's on a single Redis and
-        ``"<slot>:<zscan cursor>"`` on a cluster layout, which walks the slots in order."""
+        ``"<slot>:<zscan cursor>"`` on a cluster layout, which walks the slots in order, a
+        run of one node's slots per ``page.lua`` call."""
         now_ms = _ms(self.clock())
-        shard, inner = self._parse_cursor(cursor)
-        indexes = self.keys.index_keys()
-        ids: list[str] = []
-        while shard < len(indexes):
-            # The first shard resumes at its cursor; the rest of the batch start afresh.
-            batch = indexes[shard : shard + min(SHARD_BATCH, max(1, count))]
+        slot, inner = self._parse_cursor(cursor)
+        if not isinstance(self.keys, ClusterKeySpace):
             with _store_errors("list sessions"):
-                pipe = self.client.pipeline(transaction=False)
-                for position, index in enumerate(batch):
-                    pipe.zscan(index, cursor=inner if position == 0 else 0, count=count)
-                replies = pipe.execute()
-            for next_cursor, entries in replies:
-                ids.extend(member.decode() for member, score in entries if score > now_ms)
-                if int(next_cursor):
-                    # This shard has more: resume it next time, drop the later replies.
-                    return Page(ids, self._format_cursor(shard, int(next_cursor)))
-                shard, inner = shard + 1, 0
-                if len(ids) >= count:
-                    break
-            if len(ids) >= count:
+                next_cursor, entries = self.client.zscan(self.keys.index(), inner, count=count)
+            ids = [member.decode() for member, score in entries if score > now_ms]
+            return Page(ids, str(next_cursor) if int(next_cursor) else None)
+        chunks = self._chunks_by_node()
+        ids = []
+        while slot < REDIS_CLUSTER_HASH_SLOTS:
+            node, indexes = chunks[self._chunk_of_slot[slot]]
+            first = slot - self._chunk_of_slot_start[slot]
+            args = [now_ms, max(1, count - len(ids)), inner, *indexes[first:]]
+            [(done, next_inner, *members)] = self._on_nodes(
+                "list sessions", self.scripts.page, [(node, args)]
+            )
+            ids.extend(member.decode() for member in members)
+            slot, inner = slot + int(done), int(next_inner)
+            if inner or len(ids) >= count:
                 break
-        more = shard < len(indexes)
-        return Page(ids, self._format_cursor(shard, 0) if more else None)
+        more = slot < REDIS_CLUSTER_HASH_SLOTS
+        return Page(ids, self._format_cursor(slot, inner) if more else None)
 
     def _parse_cursor(self, cursor: str | None) -> tuple[int, int]:
         if not cursor:
@@ -435,18 +437,6 @@ class RedisStore(CheckpointStore):
         return str(inner) if self.keys.shards == 1 else f"{shard}:{inner}"
 
     # -- expiry -------------------------------------------------------------------------
-
-    def count_sessions(self, now: float | None = None) -> SessionCounts:
-        """Two ZCOUNTs per deadline index (one index on a single Redis, one per slot on a
-        cluster), in one pipelined round trip: O(log n) each, whatever the session count."""
-        now_ms = _ms(self.clock() if now is None else now)
-        with _store_errors("count sessions"):
-            pipe = self.client.pipeline(transaction=False)
-            for index in self.keys.index_keys():
-                pipe.zcount(index, f"({now_ms}", "+inf")
-                pipe.zcount(index, "-inf", now_ms)
-            counts = [int(count) for count in pipe.execute()]
-        return SessionCounts(sum(counts[0::2]), sum(counts[1::2]))
 
     def expire_stale(self, now: float | None = None, limit: int = 1000) -> list[str]:
         """Expire up to ``limit`` due sessions: read the due ids from the deadline index (on
@@ -467,39 +457,65 @@ class RedisStore(CheckpointStore):
         return self._expire([member.decode() for member in due], now_ms)
 
     def _due_on_cluster(self, now_ms: int, limit: int) -> list[bytes]:
-        """Up to ``limit`` due ids over all slots: one pipeline of ``due.lua`` calls per node
-        (each over at most ``INDEXES_PER_CALL`` of its slots), nodes in turn."""
+        """Up to ``limit`` due ids over all slots: ``due.lua`` over runs of at most
+        ``INDEXES_PER_CALL`` of a node's slots, one pipeline per node, the nodes at once."""
         chunks = self._chunks_by_node()
         start = self._sweep_from % len(chunks)
         order = list(range(start, len(chunks))) + list(range(start))
-        replies: dict[int, list[bytes]] = {}
-        try:
-            with _store_errors("list stale sessions"):
-                by_node: dict[str, list[int]] = {}
-                for position in order:
-                    by_node.setdefault(chunks[position][0].name, []).append(position)
-                for positions in by_node.values():
-                    node_client = self.client.get_redis_connection(chunks[positions[0]][0])
-                    pipe = node_client.pipeline(transaction=False)
-                    for position in positions:
-                        self.scripts.due(args=[now_ms, limit, *chunks[position][1]], client=pipe)
-                    replies.update(zip(positions, pipe.execute(), strict=True))
-        except StoreUnavailable:
-            # A failover or a slot migration: group the slots afresh on the next sweep.
-            self._relearn_slots = True
-            raise
+        calls = [(chunks[i][0], [now_ms, limit, *chunks[i][1]]) for i in order]
+        replies = self._on_nodes("list stale sessions", self.scripts.due, calls)
         due: list[bytes] = []
-        for position in order:
-            due.extend(replies[position][: limit - len(due)])
+        for position, reply in zip(order, replies, strict=True):
+            due.extend(reply[: limit - len(due)])
             if len(due) >= limit:
                 # Resume here next time: these slots may hold more due sessions.
                 self._sweep_from = position
                 break
         return due
 
+    def _on_nodes(
+        self, action: str, script: Script, calls: list[tuple[Any, list[Any]]]
+    ) -> list[Any]:
+        """Run ``script`` once per ``(node, args)``, on that cluster node directly; one
+        pipeline per node, the nodes concurrently. Replies come in call order.
+
+        Raises:
+            StoreUnavailable: a node failed or no longer serves a slot it was sent; the next
+                call relearns the slot map first.
+        """
+        by_node: dict[str, list[int]] = {}
+        for position, (node, _args) in enumerate(calls):
+            by_node.setdefault(node.name, []).append(position)
+
+        def run(positions: list[int]) -> list[Any]:
+            node = calls[positions[0]][0]
+            pipe = self.client.get_redis_connection(node).pipeline(transaction=False)
+            for position in positions:
+                script(args=calls[position][1], client=pipe)
+            replies: list[Any] = pipe.execute()
+            return replies
+
+        replies: list[Any] = [None] * len(calls)
+        try:
+            with _store_errors(action):
+                if len(by_node) == 1:
+                    results = [run(positions) for positions in by_node.values()]
+                else:
+                    with ThreadPoolExecutor(max_workers=len(by_node)) as pool:
+                        results = list(pool.map(run, by_node.values()))
+        except StoreUnavailable:
+            # A failover or a slot migration: group the slots afresh on the next call.
+            self._relearn_slots = True
+            raise
+        for positions, values in zip(by_node.values(), results, strict=True):
+            for position, value in zip(positions, values, strict=True):
+                replies[position] = value
+        return replies
+
     def _chunks_by_node(self) -> list[tuple[Any, list[str]]]:
-        """The slot indexes in slot order, cut into runs served by one node, each run at most
-        ``INDEXES_PER_CALL`` long; regrouped whenever the client's slot map changes."""
+        """The slot indexes of a cluster layout in slot order, cut into runs served by one
+        node, each at most ``INDEXES_PER_CALL`` long; regrouped whenever the client's slot
+        map changes."""
         manager = self.client.nodes_manager
         if self._relearn_slots:
             with _store_errors("learn the cluster's slot map"):
@@ -507,16 +523,39 @@ class RedisStore(CheckpointStore):
             self._relearn_slots = False
         slots = manager.slots_cache
         if self._chunked_by is not slots:
-            indexes = self.keys.index_keys()
             chunks: list[tuple[Any, list[str]]] = []
-            for slot, index in enumerate(indexes):
+            chunk_of_slot: list[int] = []
+            chunk_start: list[int] = []
+            for slot, index in enumerate(self.keys.index_keys()):
                 node = slots[slot][0]  # the slot's primary
                 if chunks and chunks[-1][0] is node and len(chunks[-1][1]) < INDEXES_PER_CALL:
                     chunks[-1][1].append(index)
                 else:
                     chunks.append((node, [index]))
+                    chunk_start.append(slot)
+                chunk_of_slot.append(len(chunks) - 1)
             self._node_chunks, self._chunked_by = chunks, slots
+            self._chunk_of_slot = chunk_of_slot
+            self._chunk_of_slot_start = [chunk_start[c] for c in chunk_of_slot]
         return self._node_chunks
+
+    def count_sessions(self, now: float | None = None) -> SessionCounts:
+        """Two ZCOUNTs of the deadline index on a single Redis; on a cluster, every slot's
+        index counted by a few ``count.lua`` calls per node, the nodes at once."""
+        now_ms = _ms(self.clock() if now is None else now)
+        if not isinstance(self.keys, ClusterKeySpace):
+            with _store_errors("count sessions"):
+                pipe = self.client.pipeline(transaction=False)
+                pipe.zcount(self.keys.index(), f"({now_ms}", "+inf")
+                pipe.zcount(self.keys.index(), "-inf", now_ms)
+                live, due = pipe.execute()
+            return SessionCounts(live=int(live), expired=int(due))
+        calls = [(node, [now_ms, *indexes]) for node, indexes in self._chunks_by_node()]
+        replies = self._on_nodes("count sessions", self.scripts.count, calls)
+        return SessionCounts(
+            live=sum(int(live) for live, _due in replies),
+            expired=sum(int(due) for _live, due in replies),
+        )
 
     def _expire(self, candidates: list[str], now_ms: int) -> list[str]:
         expired: list[str] = []

@@ -56,6 +56,8 @@ class Scripts:
     load: Script
     reconcile: Script
     due: Script
+    page: Script
+    count: Script
 
     @classmethod
     def register(cls, client: Any) -> Scripts:
@@ -67,4 +69,6 @@ class Scripts:
             load=client.register_script(script_source("load")),
             reconcile=client.register_script(script_source("reconcile")),
             due=client.register_script(script_source("due")),
+            page=client.register_script(script_source("page")),
+            count=client.register_script(script_source("count")),
         )
