@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from typing import IO, Any, TypeVar
