@@ -3,9 +3,8 @@
 The table is ``go_decode_vectors.json``: for each input document, ``go`` is what Go's
 ``json.Unmarshal`` into the ``Checkpoint`` struct followed by ``json.Marshal`` gives (``null``:
 Go's ``Load`` fails), and ``ours`` says whether checkpointq accepts the document or refuses
-it. The ``go`` column was produced by running the table through Go 1.19's encoding/json with
-the struct definitions of the Go package; a Go cross-check program can confirm it by decoding
-each ``input`` and comparing with ``go``.
+it. ``tests/go/test_go_decode_vectors.py`` runs the table through the Go cross-check program
+(encoding/json with the Go package's structs), which must read exactly the ``go`` column.
 
 The rule proved here: for any input, checkpointq's reading and Go's reading agree, or the
 document is refused with a reason; and the value checkpointq stores is read alike by both.
