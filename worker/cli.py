@@ -27,7 +27,7 @@ from checkpointq.store.errors import CheckpointError
 from checkpointq.store.model import Checkpoint, display_id
 from checkpointq.store.serde import checkpoint_from_wire, checkpoint_to_wire, loads_json
 from checkpointq.store.urls import redact_url, redact_urls
-from checkpointq.tasks.dead_letters import DeadLetters
+from checkpointq.tasks.dead_letters import DeadLetter, DeadLetters
 from checkpointq.tasks.errors import NotFound, NotReplayable
 from checkpointq.tasks.producer.client import CheckpointClient, Handle
 from checkpointq.tasks.producer.outcomes import SUPERSEDED, RequestOutcome
@@ -214,6 +214,11 @@ def run_json_option(function: F) -> F:
         is_flag=True,
         help="Log one JSON object per line (CHECKPOINTQ_LOG_FORMAT=json), for log shippers.",
     )(function)
+
+
+def _hint(text: str) -> None:
+    """A line for the person at the terminal, on stderr: never mixed into piped output."""
+    click.echo(f"# {text}", err=True)
 
 
 def _emit(as_json: bool, data: Any, human: Iterable[str]) -> None:
@@ -477,12 +482,17 @@ def _show_lines(checkpoint: Checkpoint) -> Iterator[str]:
     meta = checkpoint.metadata
     yield f"session   {display_id(checkpoint.session_id)}"
     yield f"version   {checkpoint.version}"
-    yield f"messages  {len(checkpoint.conversation_history)} kept, {meta.total_messages} total"
-    yield f"tokens    {meta.total_tokens}"
+    kept = len(checkpoint.conversation_history)
+    history = f"{kept} stored (the newest, at most CHECKPOINTQ_HISTORY_CAP)"
+    if meta.total_messages:
+        history += f", of {meta.total_messages} in the conversation (metadata.totalMessages)"
+    yield f"messages  {history}"
+    if meta.total_tokens:
+        yield f"tokens    {meta.total_tokens}"
     if meta.total_cost_usd:
         yield f"cost      ${meta.total_cost_usd}"
     if meta.last_message_time is not None:
-        yield f"last      {meta.last_message_time.isoformat()}"
+        yield f"last      {_when(meta.last_message_time.timestamp())}"
     if checkpoint.last_run_ref:
         yield f"last run  {checkpoint.last_run_ref}"
     for message in checkpoint.conversation_history[-5:]:
@@ -535,8 +545,9 @@ def list_sessions(
         store.close()
     # Ids are any text Go accepted (tabs, line separators, bidi controls): shown escaped.
     human = [display_id(session_id) for session_id in ids]
-    if next_cursor is not None:
-        human.append(f"# more: checkpointq ls --cursor {next_cursor}")
+    if next_cursor is not None and not as_json:
+        size = f" --page-size {page_size}" if page_size is not None else ""
+        _hint(f"more: checkpointq ls{size} --cursor {next_cursor}")
     _emit(as_json, {"sessions": ids, "cursor": next_cursor}, human)
 
 
@@ -664,7 +675,15 @@ def _dead_letters(settings: Settings) -> DeadLetters:
 
 
 def _when(seconds: float) -> str:
-    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+    """A time for people: UTC to the second, and how long ago."""
+    at = datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+    ago = time.time() - seconds
+    if ago < 0:
+        return at
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if ago >= size:
+            return f"{at} ({ago / size:.0f} {unit} ago)"
+    return f"{at} ({ago:.0f} s ago)"
 
 
 @cli.group()
@@ -694,8 +713,8 @@ def dlq_list(limit: int, cursor: str | None, as_json: bool) -> None:
         f"{e.id}  {_when(e.time)}  {e.kind:<17} {e.task or '-'}  {' '.join(e.reason.split())[:80]}"
         for e in page.entries
     ]
-    if page.cursor is not None:
-        human.append(f"# more: checkpointq dlq ls --cursor {page.cursor}")
+    if page.cursor is not None and not as_json:
+        _hint(f"more: checkpointq dlq ls --limit {limit} --cursor {page.cursor}")
     data = {"entries": [e.as_json() for e in page.entries], "cursor": page.cursor}
     _emit(as_json, data, human)
 
@@ -712,10 +731,34 @@ def dlq_show(entry_id: str, as_json: bool) -> None:
         letters.client.close()
     if letter is None:
         raise CliFailure(f"no dead letter {entry_id!r}")
-    data = letter.as_json()
-    human = [f"{name:<10} {data[name]}" for name in data if name != "raw"]
-    human.append(f"raw        {data['raw'][:2000]}")
-    _emit(as_json, data, human)
+    _emit(as_json, letter.as_json(), _letter_lines(letter))
+
+
+def _letter_lines(letter: DeadLetter) -> Iterator[str]:
+    """A dead letter for people: times readable, JSON as JSON, nothing absent shown."""
+    yield f"id         {letter.id}"
+    yield f"refused    {_when(letter.time)} ({letter.kind}, after {letter.retries} retries)"
+    yield f"reason     {' '.join(letter.reason.split())}"
+    yield f"task       {letter.task or '(no task name could be read)'} [{letter.task_id or '-'}]"
+    if letter.args is not None:
+        yield f"args       {_compact(letter.args)[:500]}"
+    if letter.kwargs:
+        yield f"kwargs     {_compact(letter.kwargs)}"
+    if letter.headers:
+        yield f"headers    {_compact(letter.headers)[:500]}"
+    how = (
+        f"yes: checkpointq dlq replay {letter.id}"
+        if letter.replayable
+        else "no (its task and arguments could not be decoded, or it was oversize)"
+    )
+    yield f"replayable {how}"
+    raw = letter.raw.decode("utf-8", errors="replace")
+    shown = raw[:2000] + (f"… ({letter.raw_bytes} bytes in all)" if len(raw) > 2000 else "")
+    yield f"raw        {shown}"
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
 
 
 @dlq.command(name="replay")

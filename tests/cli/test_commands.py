@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -28,9 +29,11 @@ def test_show_prints_a_saved_checkpoint_as_text_and_as_json(
     human = cli_env("show", "sess-a")
     as_json = cli_env("show", "sess-a", "--json")
 
-    # Then both succeed and describe the same checkpoint
+    # Then both succeed and describe the same checkpoint, the text in words for people
     assert human.exit_code == 0, human.output
     assert "sess-a" in human.stdout and "version   3" in human.stdout
+    assert "messages  4 stored (the newest, at most CHECKPOINTQ_HISTORY_CAP)" in human.stdout
+    assert "0 total" not in human.stdout and "None" not in human.stdout
     document = json.loads(as_json.stdout)
     assert document["sessionId"] == "sess-a"
     assert document["version"] == 3
@@ -141,6 +144,10 @@ def test_dlq_lists_shows_and_purges_dead_letters(cli_env: Cli, redis_client: red
     assert [entry["kind"] for entry in listed["entries"]] == ["invalid_input", "undecodable"]
     assert shown["task"] == "checkpoint.save" and shown["args"] == [{"sessionId": ""}]
     assert "sessionId: must not be empty" in human
+    # (for people: a readable time, JSON arguments, no Python reprs)
+    assert "None" not in human and "'sessionId'" not in human
+    assert re.search(r"refused    \d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ \(\d+ s ago\)", human), human
+    assert 'args       [{"sessionId": ""}]' in human
     assert json.loads(purged.stdout) == {"removed": 2}
     assert json.loads(cli_env("dlq", "ls", "--json").stdout)["entries"] == []
     missing = cli_env("dlq", "show", first)
@@ -175,7 +182,7 @@ def test_ls_into_a_reader_that_stops_early_exits_quietly(cli_env: Cli, store: Re
 
     # When `checkpointq ls` is read like `| head -1`: one line, then the pipe is closed
     process = subprocess.Popen(
-        [sys.executable, "-m", "checkpointq.worker.cli", "ls", "--page-size", "3000"],
+        [sys.executable, "-m", "checkpointq.worker.cli", "ls"],
         cwd=cli_env.cwd,
         env=cli_env.process_env(),
         stdout=subprocess.PIPE,
@@ -211,3 +218,32 @@ def test_ls_and_show_print_odd_ids_escaped_and_json_keeps_them_exact(
     assert sorted(human.stdout.splitlines()) == ["line\\u2028sep", "new\\nline", "tab\\there"]
     assert sorted(json.loads(as_json.stdout)["sessions"]) == sorted(odd)
     assert shown.exit_code == 0 and "session   new\\nline" in shown.stdout
+
+
+def test_ls_pages_print_the_next_pages_full_command_on_stderr(
+    cli_env: Cli, store: RedisStore
+) -> None:
+    # Given more sessions than one page (and than Redis scans at once in a small set)
+    for i in range(300):
+        store.save(make_checkpoint(f"paged-{i:03d}"))
+
+    # When one page is listed for people
+    page = cli_env("ls", "--page-size", "5")
+
+    # Then stdout holds only ids, and stderr the command for the next page
+    assert page.exit_code == 0, page.output
+    assert all(line.startswith("paged-") for line in page.stdout.splitlines())
+    (hint,) = page.stderr.splitlines()
+    assert hint.startswith("# more: checkpointq ls --page-size 5 --cursor ")
+    following = cli_env(*hint.removeprefix("# more: checkpointq ").split())
+    assert following.exit_code == 0
+    assert set(following.stdout.split()).isdisjoint(page.stdout.split())
+
+
+def test_stats_for_people_has_words_not_reprs(cli_env: Cli) -> None:
+    result = cli_env("stats")
+
+    assert result.exit_code == 0, result.output
+    assert "None" not in result.stdout
+    assert "next_sweep             no beat has scheduled one" in result.stdout
+    assert "oldest_queued          - (queue empty)" in result.stdout

@@ -324,24 +324,23 @@ def render(
 
 
 def stats_lines(snapshot: Snapshot) -> list[str]:
-    """``checkpointq stats`` for people: the same numbers as ``top``, one per line."""
-    data = snapshot.as_json()
-    if not snapshot.oldest_queued_known:
-        data["oldest_queued_seconds"] = "unknown"
-    lines = [
-        f"{name:<22} {data[name]}"
-        for name in (
-            "queue",
-            "queue_depth",
-            "oldest_queued_seconds",
-            "live_sessions",
-            "stale_sessions",
-            "dead_letters",
-            "events",
-            "workers",
-            "next_sweep_in_seconds",
-        )
-    ]
+    """``checkpointq stats`` for people: the same numbers as ``top``, one per line, in
+    words and units (``--json`` has the raw values)."""
+    due = None if snapshot.next_sweep is None else snapshot.next_sweep - snapshot.time
+    shown = {
+        "queue": snapshot.queue,
+        "queue_depth": str(snapshot.queue_depth),
+        "oldest_queued": _oldest(snapshot) if snapshot.queue_depth else "- (queue empty)",
+        "live_sessions": str(snapshot.live_sessions),
+        "stale_sessions": f"{snapshot.stale_sessions} (expired, not yet swept)",
+        "dead_letters": str(snapshot.dead_letters),
+        "events": str(snapshot.events),
+        "workers": str(len(snapshot.workers)),
+        "next_sweep": "no beat has scheduled one"
+        if due is None
+        else f"in {_duration(max(0.0, due))}",
+    }
+    lines = [f"{name:<22} {value}" for name, value in shown.items()]
     lines += [f"requests {name:<13} {count}" for name, count in sorted(snapshot.requests.items())]
     lines += [
         f"dead_lettered {kind:<8} {count}"
