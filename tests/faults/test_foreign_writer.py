@@ -56,6 +56,9 @@ TTL_SECONDS = 3600
 #: Beat's reconciliation period here: one SCAN or ZSCAN call of SCAN_COUNT keys per second.
 RECONCILE_SECONDS = 1
 
+#: Suffixes of the ids of sessions Go writes alone: Go accepts any non-empty string.
+ODD_IDS = ["", "\ttab", "\u2028line", "\u202ebidi", " space", "\U0001f642", "x" * 300]
+
 Q_SAVE, Q_DELETE, GO_SAVE, GO_DELETE = "queued save", "queued delete", "go save", "go delete"
 #: The sweep removing the value (our TTL passed, and we wrote it last).
 EXPIRED = "expired"
@@ -258,7 +261,7 @@ def test_a_go_writer_on_the_same_keys_loses_nothing_and_list_converges(
     plans = dict(
         zip(last, rng.choices(list(PLANS), list(PLANS.values()), k=len(last)), strict=True)
     )
-    go_only = [f"go-only-{i:04d}" for i in range(scale.sessions // 10)]
+    go_only = [f"go-only-{i:04d}{ODD_IDS[i % len(ODD_IDS)]}" for i in range(scale.sessions // 10)]
     # (in the order of each session's last queued request: the order the worker ends them)
     for i, sid in enumerate(sorted(last, key=lambda s: seq_of(last[s]))):
         if plans[sid] != "queue only":
@@ -295,6 +298,9 @@ def test_a_go_writer_on_the_same_keys_loses_nothing_and_list_converges(
         | (writers.go_last() & {*after_sweep.lost, *after_sweep.regressed})
     )
 
+    logs = "\n".join(deployment.logs())
+    errors = [line for line in logs.splitlines() if "ERROR" in line or "CRITICAL" in line]
+    raw_ids = sum(logs.count(c) for c in ("\u2028", "\u202e"))  # ids must be shown escaped
     row = conclude(
         deployment,
         Verdict(
@@ -305,7 +311,8 @@ def test_a_go_writer_on_the_same_keys_loses_nothing_and_list_converges(
         scenario="13-foreign-writer",
         title="a Go RedisStore saving and deleting the same sessions directly",
         load=f"{len(load)} queued requests / {scale.sessions} sessions; {writers.go_writes()} "
-        f"direct Go writes ({len(go_only)} sessions Go's alone)",
+        f"direct Go writes ({len(go_only)} sessions Go's alone, ids with a tab, U+2028, "
+        "a bidi override, 300 characters)",
         faults=f"Go re-saves and deletes behind the queue (from {queued_at_first_go_write} "
         f"requests still queued); {len(came_back)} saves stamped before a Go delete arrive "
         f"after it; a sweep with its clock {TTL_SECONDS // 3600} h ahead",
@@ -318,10 +325,13 @@ def test_a_go_writer_on_the_same_keys_loses_nothing_and_list_converges(
         f"{seconds(settled)} after the sweep; the sweep expired {len(swept)} sessions, exactly "
         f"those we wrote last; {len(came_back)} sessions came back through a save stamped "
         "before Go's delete (documented: a Go delete leaves no tombstone); queue-only "
-        f"sessions regressed: {len(queue_only_regressed)}",
+        f"sessions regressed: {len(queue_only_regressed)}; worker and beat errors logged: "
+        f"{len(errors)}, odd ids logged unescaped: {raw_ids}",
         passed=not go_lost
         and sorted(swept) == sorted(ours_last)
-        and None not in (convergence, settled),
+        and None not in (convergence, settled)
+        and not errors
+        and not raw_ids,
     )
     client.close()
     assert verdict.exact, verdict
@@ -330,4 +340,6 @@ def test_a_go_writer_on_the_same_keys_loses_nothing_and_list_converges(
     assert sorted(swept) == sorted(ours_last)
     assert not queue_only_regressed
     assert convergence is not None and settled is not None
+    assert not errors, errors[:5]
+    assert not raw_ids
     assert row.result == "pass", row
