@@ -1,17 +1,24 @@
 """docker-compose.yml and the Dockerfile, checked without a Docker engine.
 
 The file must stay exactly in line with the code: every CHECKPOINTQ_ variable it sets is a
-real settings field with a valid value, and every command it runs is a CLI command.
+real settings field with a valid value, and every command it runs is a CLI command. It is
+read as Compose reads it (variables interpolated from .env) and validated against the
+Compose specification's JSON schema (the copy check-jsonschema vendors), since `docker
+compose config` needs an engine.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import re
 import shlex
 import tomllib
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import yaml
 
@@ -22,9 +29,47 @@ from checkpointq.worker.supervisor import CHILD_GRACE_SECONDS
 ROOT = Path(__file__).resolve().parents[2]
 
 
+#: What an operator puts in .env (the secrets .env.example asks for).
+DOT_ENV = {"REDIS_PASSWORD": "s3cret-hex", "FLOWER_PASSWORD": "flower-pw"}
+_VARIABLE = re.compile(r"\$\$|\$\{(\w+)(?:(:?[-?])([^}]*))?\}|\$(\w+)")
+
+
+class MissingVariable(Exception):
+    """A ${VAR:?message} whose variable is unset: Compose refuses the file."""
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's variable substitution: $$, ${VAR}, ${VAR:-default}, ${VAR:?error}."""
+
+    def one(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name = match.group(1) or match.group(4)
+        value, how, arg = env.get(name), match.group(2), match.group(3)
+        if how in (":-", "-") and not value:
+            return arg or ""
+        if how in (":?", "?") and not value:
+            raise MissingVariable(f"{name}: {arg}")
+        return value or ""
+
+    return _VARIABLE.sub(one, text)
+
+
+def load_compose(env: dict[str, str]) -> dict[str, Any]:
+    loaded = yaml.safe_load(interpolate((ROOT / "docker-compose.yml").read_text(), env))
+    assert isinstance(loaded, dict)
+    return loaded
+
+
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
-    loaded = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    return load_compose(DOT_ENV)
+
+
+@pytest.fixture(scope="module")
+def compose_schema() -> dict[str, Any]:
+    schema = files("check_jsonschema") / "builtin_schemas" / "vendor" / "compose-spec.json"
+    loaded = json.loads(schema.read_text())
     assert isinstance(loaded, dict)
     return loaded
 
@@ -52,22 +97,82 @@ def test_redis_keeps_an_aof_refuses_eviction_and_reports_health(compose: dict[st
     command = redis["command"]
     args = command if isinstance(command, list) else shlex.split(command)
 
-    assert redis["image"].startswith("redis:7")
+    assert re.fullmatch(r"redis:7\.\d+\.\d+", redis["image"])  # pinned
     assert args[args.index("--appendonly") + 1] == "yes"
+    # noeviction does nothing without a memory limit
     assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
+    assert args[args.index("--maxmemory") + 1] == "1gb"
+    assert args[args.index("--requirepass") + 1] == DOT_ENV["REDIS_PASSWORD"]
+    assert redis["environment"]["REDISCLI_AUTH"] == DOT_ENV["REDIS_PASSWORD"]  # health check
     assert "redis-cli" in redis["healthcheck"]["test"] and "ping" in redis["healthcheck"]["test"]
     volume = redis["volumes"][0].split(":")
     assert volume[1] == "/data" and volume[0] in compose["volumes"]
     assert redis["restart"] in ("always", "unless-stopped")
 
 
-@pytest.mark.parametrize("name", ["worker", "beat"])
-def test_worker_and_beat_are_built_here_and_wait_for_a_healthy_redis(
-    compose: dict[str, Any], name: str
+def test_worker_and_beat_share_one_image_built_once(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    built = [name for name, service in services.items() if "build" in service]
+
+    assert built == ["worker"]
+    assert services["worker"]["build"] in (".", {"context": "."})
+    assert services["beat"]["image"] == services["worker"]["image"]
+    assert services["beat"]["pull_policy"] == "never"
+
+
+def test_redis_is_reachable_from_outside_on_the_hosts_loopback_by_default(
+    compose: dict[str, Any],
 ) -> None:
+    (published,) = compose["services"]["redis"]["ports"]
+    assert published == "127.0.0.1:6379:6379"
+    served = load_compose({**DOT_ENV, "REDIS_BIND": "10.0.0.5", "REDIS_PORT": "6380"})
+    assert served["services"]["redis"]["ports"] == ["10.0.0.5:6380:6379"]
+
+
+def test_the_stack_refuses_to_start_without_a_redis_password() -> None:
+    with pytest.raises(MissingVariable, match="REDIS_PASSWORD"):
+        load_compose({})
+
+
+def test_flower_requires_basic_auth_from_the_environment_and_listens_locally(
+    compose: dict[str, Any],
+) -> None:
+    flower = compose["services"]["flower"]
+    script = " ".join(flower["entrypoint"])
+
+    assert re.fullmatch(r"mher/flower:\d+\.\d+\.\d+", flower["image"])
+    assert 'test -n "$FLOWER_PASSWORD" ||' in script
+    assert '--basic-auth="$FLOWER_USER:$FLOWER_PASSWORD"' in script
+    assert flower["environment"]["FLOWER_PASSWORD"] == DOT_ENV["FLOWER_PASSWORD"]
+    assert "redis://redis" not in script  # the broker URL comes from the environment
+    assert flower["environment"]["FLOWER_BROKER_URL"].startswith("redis://:s3cret-hex@redis")
+    assert flower["ports"] == ["127.0.0.1:5555:5555"]
+
+
+def test_the_file_is_valid_compose_by_the_specifications_schema(
+    compose: dict[str, Any], compose_schema: dict[str, Any]
+) -> None:
+    validator = jsonschema.validators.validator_for(compose_schema)(compose_schema)
+    assert not list(validator.iter_errors(compose))
+
+    # (and the schema is a real check: a misspelt key and an unknown condition are caught)
+    broken = copy.deepcopy(compose)
+    broken["services"]["worker"]["depends_on"]["redis"]["condition"] = "whenever"
+    broken["services"]["beat"]["stop_grace"] = "30s"
+    assert len(list(validator.iter_errors(broken))) >= 2
+
+
+def test_every_variable_the_file_uses_is_in_env_example() -> None:
+    used = set(re.findall(r"\$\{(\w+)", (ROOT / "docker-compose.yml").read_text()))
+    example = (ROOT / ".env.example").read_text()
+    listed = set(re.findall(r"^(\w+)=", example, flags=re.MULTILINE))
+    assert used <= listed, sorted(used - listed)
+
+
+@pytest.mark.parametrize("name", ["worker", "beat"])
+def test_worker_and_beat_wait_for_a_healthy_redis(compose: dict[str, Any], name: str) -> None:
     service = compose["services"][name]
 
-    assert service["build"] in (".", {"context": "."})
     assert service["depends_on"]["redis"]["condition"] == "service_healthy"
     assert service["restart"] in ("always", "unless-stopped")
     assert service["command"] == [name]
@@ -92,14 +197,14 @@ def test_every_variable_set_is_a_settings_field_with_a_valid_value(
 
     unknown = {var for var in environment if var.startswith("CHECKPOINTQ_")} - fields
     assert not unknown, f"not settings fields: {sorted(unknown)}"
-    assert environment["CHECKPOINTQ_BROKER_URL"] == "redis://redis:6379/0"
+    assert environment["CHECKPOINTQ_BROKER_URL"] == "redis://:s3cret-hex@redis:6379/0"
 
     # And the settings accept every value as written
     monkeypatch.chdir(tmp_path)
     for var, value in environment.items():
         monkeypatch.setenv(var, str(value))
     settings = Settings()
-    assert settings.broker_url == "redis://redis:6379/0"
+    assert settings.broker_url == "redis://:s3cret-hex@redis:6379/0"
 
 
 def test_the_image_runs_checkpointq_as_a_non_root_user(
@@ -107,8 +212,9 @@ def test_the_image_runs_checkpointq_as_a_non_root_user(
 ) -> None:
     instructions = dict(dockerfile)  # the last of each instruction wins, as in Docker
 
-    assert dockerfile[0] == ("FROM", "python:3.11-slim")
-    assert any(op == "RUN" and "pip install ." in args for op, args in dockerfile)
+    assert dockerfile[0][0] == "FROM"
+    assert re.fullmatch(r"python:3\.11\.\d+-slim-\w+(@sha256:[0-9a-f]{64})?", dockerfile[0][1])
+    assert any(op == "RUN" and "pip install --no-deps ." in args for op, args in dockerfile)
     assert instructions["USER"] not in ("root", "0")
     entrypoint = yaml.safe_load(instructions["ENTRYPOINT"])
     assert entrypoint == ["checkpointq"]
@@ -128,3 +234,20 @@ def test_the_build_context_keeps_local_state_out(dockerfile: list[tuple[str, str
     assert {".venv", ".checkpointq", ".git", ".env"} <= ignored
     copied = [args.split()[0] for op, args in dockerfile if op == "COPY"]
     assert not any(path.startswith((".venv", ".checkpointq")) for path in copied)
+
+
+def test_dependencies_are_installed_pinned_before_the_code_is_copied(
+    dockerfile: list[tuple[str, str]],
+) -> None:
+    steps = [f"{op} {args}" for op, args in dockerfile]
+    (deps,) = [i for i, step in enumerate(steps) if "-c constraints.txt" in step]
+    (code,) = [i for i, step in enumerate(steps) if step.startswith("COPY store")]
+    (install,) = [i for i, step in enumerate(steps) if "pip install --no-deps ." in step]
+    copied_before = " ".join(steps[:deps])
+
+    # Only what names the dependencies is copied before they are installed
+    assert "COPY pyproject.toml constraints.txt" in copied_before
+    assert not any(name in copied_before for name in ("store", "tasks", "worker"))
+    assert deps < code < install
+    # And scripts/setup-env installs from the same constraints
+    assert "-c constraints.txt" in (ROOT / "scripts" / "setup-env").read_text()

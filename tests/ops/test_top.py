@@ -127,6 +127,9 @@ def test_top_shows_real_throughput_queue_and_dead_letters_of_a_live_system(
     system.start_worker()
     with system.client() as client:
         handles = [client.save(make_checkpoint(f"top-{i}")) for i in range(4)]
+        # (the delete follows its save's application: two pool processes could otherwise
+        # apply it first, making that save stale)
+        client.wait_durable(handles[0], timeout=30)
         handles.append(client.delete("top-0"))
         client.send("checkpoint.save", [{"sessionId": "", "version": 1}], {})
         client.send("checkpoint.frobnicate", [], {})
@@ -196,6 +199,7 @@ def test_top_fits_80_by_24_says_q_quits_and_quits_on_q(system: System) -> None:
     system.start_worker()
     with system.client() as client:
         handles = [client.save(make_checkpoint(f"small-{i}")) for i in range(3)]
+        client.wait_durable(handles[0], timeout=30)  # (as above: the delete comes after)
         handles.append(client.delete("small-0"))
         client.send("checkpoint.frobnicate", [], {})
         for handle in handles:
