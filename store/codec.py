@@ -32,7 +32,7 @@ class ValueCodec:
     own, created on first use and reused afterwards.
     """
 
-    def __init__(self, level: int = 3, max_decompressed: int = DEFAULT_MAX_DECOMPRESSED) -> None:
+    def __init__(self, level: int = 1, max_decompressed: int = DEFAULT_MAX_DECOMPRESSED) -> None:
         self.level = level
         self.max_decompressed = max_decompressed
         self._local = threading.local()

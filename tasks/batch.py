@@ -73,7 +73,7 @@ def _as_request(item: object) -> tuple[str, list[Any], dict[str, Any]]:
     return APPLY_BATCH, [[item]], {}
 
 
-def _item_outcome(op: BatchOp, result: SaveResult | bool) -> Outcome:
+def item_outcome(op: BatchOp, result: SaveResult | bool) -> Outcome:
     if isinstance(op, SaveOp) and isinstance(result, SaveResult):
         return save_outcome(result)
     session_id = op.session_id if isinstance(op, DeleteOp) else op.checkpoint.session_id
@@ -118,7 +118,7 @@ def apply_batch(task: Task, items: object) -> Outcome:
         if isinstance(result, InvalidInput):
             refused[position] = result
         else:
-            outcomes[position] = _item_outcome(op, result)
+            outcomes[position] = item_outcome(op, result)
     # Dead letters only once the batch applied, so that a retried batch records each once.
     for position, error in sorted(refused.items()):
         name, args, kwargs = _as_request(items[position])

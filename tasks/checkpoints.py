@@ -200,9 +200,16 @@ class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
             _observe(self, outcome, None, args, kwargs)
             return outcome
 
+    def _signature(self) -> inspect.Signature:
+        """The task body's signature, computed once per task (it costs more than the bind)."""
+        signature: inspect.Signature | None = self.__dict__.get("_cq_signature")
+        if signature is None:
+            signature = self.__dict__["_cq_signature"] = inspect.signature(self.run)
+        return signature
+
     def _attempt(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Outcome:
         try:
-            inspect.signature(self.run).bind(*args, **kwargs)
+            self._signature().bind(*args, **kwargs)
         except TypeError as exc:
             outcome = _dead_letter(self, Reason.BAD_ARGUMENTS, str(exc), args, kwargs)
             _observe(self, outcome, None, args, kwargs)

@@ -21,7 +21,7 @@ from checkpointq.tasks.dead_letters import DeadLetters
 from checkpointq.tasks.policy import RetryPolicy
 from checkpointq.tasks.producer.client import PUBLISH_RETRY_POLICY
 from checkpointq.tasks.runtime import Runtime
-from checkpointq.worker import beat, logs
+from checkpointq.worker import beat, coalesce, logs
 from checkpointq.worker import signals as _signals  # noqa: F401  # importing it connects the hooks
 from checkpointq.worker.ops import health, metrics
 from checkpointq.worker.settings import Settings
@@ -62,7 +62,11 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_reject_on_worker_lost": True,
         # How many messages each process reserves ahead: few, so that a crash redelivers few
         # and a busy worker does not hoard messages others could run.
-        "worker_prefetch_multiplier": settings.prefetch_multiplier,
+        # Coalescing (worker/coalesce.py) needs a group's worth of messages per process.
+        "worker_prefetch_multiplier": max(
+            settings.prefetch_multiplier,
+            settings.coalesce_max_items if settings.coalescing else 1,
+        ),
         # Per broker kind (tasks/brokers.py): the visibility timeout and how often to look
         # for expired ones on Redis and Sentinel, the master's name on Sentinel, publisher
         # confirms on RabbitMQ. RabbitMQ queues stay classic and durable: quorum queues
@@ -150,6 +154,10 @@ def create_app(settings: Settings | None = None) -> Celery:
     app.config_from_object(celery_config(settings))
     app.conf.update(beat.beat_config(settings))
     checkpoints.register(app)
+    if settings.coalescing:
+        coalesce.install(
+            app, max_items=settings.coalesce_max_items, window_ms=settings.coalesce_window_ms
+        )
     runtime.configure(lambda: build_runtime(settings))
     # Operations (worker/ops/metrics.py, worker/ops/health.py, worker/logs.py): the /metrics
     # endpoint, heartbeats for `checkpointq health` and `top`, the log format.

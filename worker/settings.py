@@ -76,7 +76,8 @@ class Settings(BaseSettings):
     #: (worker killed). Longer than any task run plus retry countdown, so a healthy worker's
     #: message is not handed out twice; duplicates would be harmless anyway (fenced writes).
     visibility_timeout: int = Field(default=300, ge=10)
-    #: Messages each worker process reserves ahead; 1 keeps crash redelivery small.
+    #: Messages each worker process reserves ahead; 1 keeps crash redelivery small. While
+    #: coalescing, each process reserves at least ``coalesce_max_items``.
     prefetch_multiplier: int = Field(default=1, ge=1)
     #: Retries of a request whose store is unavailable, before it is dead-lettered.
     retry_max: int = Field(default=8, ge=0)
@@ -90,6 +91,20 @@ class Settings(BaseSettings):
     #: The worker's node name (Celery's ``-n``: ``%h`` is the host name), shown by `health`,
     #: `top` and Flower. Unset: Celery's ``celery@<host>``. Two workers on one host need two.
     hostname: str | None = None
+    #: Single saves and deletes applied together, at most this many per store round trip
+    #: (worker/coalesce.py); each message is still acknowledged only once its own item is
+    #: durable. Each pool process then reserves this many messages ahead. 0 or 1: off. The
+    #: threads pool never coalesces.
+    coalesce_max_items: int = Field(default=32, ge=0, le=1000)
+    #: Milliseconds a group waits for more requests after its first arrived, when a pool
+    #: process is free to apply it.
+    coalesce_window_ms: float = Field(default=2.0, gt=0, le=1000)
+
+    @property
+    def coalescing(self) -> bool:
+        """Whether this worker groups single saves and deletes (see ``coalesce_max_items``)."""
+        return self.coalesce_max_items >= 2 and self.pool in ("prefork", "solo")
+
     #: On SIGTERM, seconds a worker keeps running its current tasks before it stops and
     #: requeues every message it still holds (retries waiting for their countdown included).
     shutdown_timeout_seconds: float = Field(default=10.0, ge=0)

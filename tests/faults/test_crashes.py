@@ -62,7 +62,9 @@ def test_worker_killed_mid_load_loses_nothing_after_restart(
 def test_pool_child_killed_mid_task_has_its_message_redelivered(
     deployment: Deployment, scale: Scale
 ) -> None:
-    # Given a worker busy with a load of larger checkpoints (so a child is mostly mid-task)
+    # Given a worker busy with a load of larger checkpoints (so a child is mostly mid-task),
+    # one task per message (test_coalescing.py kills a child mid-group)
+    deployment.settings.update(coalesce_max_items=0)
     load = generate_load(
         scale.sessions, scale.requests, random.Random(2), messages=20, content_size=2000
     )

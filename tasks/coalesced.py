@@ -1,0 +1,97 @@
+"""Apply many single ``checkpoint.save``/``checkpoint.delete`` requests in one round trip.
+
+The worker's main process groups the messages of single requests that arrive close together
+(``checkpointq.worker.coalesce``) and hands their bodies here, to a pool process, as one
+job. Only the happy path is handled here: each request that parses as a plain save or
+delete becomes one item of ``CheckpointStore.apply_batch`` (each fenced by its own ``seq``,
+in arrival order, so the end state is the one of applying them one by one), and is reported
+as done. Everything else (a body that does not parse, bad arguments, invalid input, a value
+the store refuses) is reported as not done: the main process then runs that message as the
+single task it is, through ``CheckpointTask``, which dead-letters or retries it exactly as
+without coalescing. An unavailable store raises, and every message of the group takes that
+path too.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from checkpointq.store.base import BatchOp, DeleteOp, SaveOp
+from checkpointq.store.errors import InvalidInput
+from checkpointq.store.model import validate_session_id
+from checkpointq.store.serde import checkpoint_from_wire
+from checkpointq.tasks import batch, messages, observers, runtime
+from checkpointq.tasks.checkpoints import outcomes
+from checkpointq.tasks.seq import accepted_seq
+
+#: One request as the main process hands it over: (task name, task id, protocol 2 body).
+Request = tuple[str, str, bytes]
+
+_NAMES = {messages.SAVE: "checkpoint", messages.DELETE: "session_id"}
+
+
+def parse(task: str, task_id: str, body: bytes) -> BatchOp:
+    """The store operation a single save or delete message asks for.
+
+    Raises:
+        InvalidInput: anything but ``save(checkpoint, seq=None)`` / ``delete(session_id,
+            seq=None)`` with valid arguments (the task path then says precisely why).
+    """
+    parsed = messages.parse_body(body)
+    if parsed is None or task not in _NAMES:
+        raise InvalidInput("not a protocol 2 save or delete body")
+    args, kwargs = parsed
+    if not 1 <= len(args) <= 2 or set(kwargs) - {"seq"} or (len(args) == 2 and kwargs):
+        raise InvalidInput("arguments do not match the task's signature")
+    seq = accepted_seq(kwargs.get("seq", args[1] if len(args) == 2 else None))
+    if task == messages.SAVE:
+        return SaveOp(checkpoint_from_wire(args[0]), seq, task_id)
+    return DeleteOp(validate_session_id(args[0]), seq, task_id)
+
+
+def apply_requests(requests: list[Request]) -> list[bool]:
+    """Apply what parses in one pipelined round trip; True for each request now durable.
+
+    Raises:
+        StoreUnavailable: the store could not be reached (nothing is reported done).
+    """
+    started = time.perf_counter()
+    ops: list[BatchOp] = []
+    positions: list[int] = []
+    for position, (task, task_id, body) in enumerate(requests):
+        try:
+            ops.append(parse(task, task_id, body))
+            positions.append(position)
+        except InvalidInput:
+            continue
+    done = [False] * len(requests)
+    if not ops:
+        return done
+    results = runtime.current().store.apply_batch(ops)
+    seconds = (time.perf_counter() - started) / len(ops)
+    for position, op, result in zip(positions, ops, results, strict=True):
+        if isinstance(result, InvalidInput):
+            continue
+        done[position] = True
+        outcome = batch.item_outcome(op, result)
+        task, task_id, _ = requests[position]
+        _observe(task, task_id, outcome, op.seq, seconds)
+    return done
+
+
+def _observe(task: str, task_id: str, outcome: dict[str, Any], seq: int | None, s: float) -> None:
+    """What ``CheckpointTask`` would log and tell the observers for this request alone."""
+    outcomes.record(task, outcome, task_id)
+    observers.notify(
+        observers.Observation(
+            task=observers.task_label(task),
+            outcome=str(outcome["outcome"]),
+            task_id=task_id,
+            session_id=outcome.get("session_id"),
+            seq=seq,
+            seconds=s,
+            stored_bytes=outcome.get("stored_bytes"),
+            trimmed=int(outcome.get("trimmed") or 0),
+        )
+    )

@@ -1,0 +1,236 @@
+"""Worker-side coalescing: single saves and deletes from any producer, applied in groups.
+
+Producers in Go, Node or raw ``LPUSH`` send one request per message, and Celery's per
+message cost (a Request, a trip through the pool's pipe, a result back) is several times the
+store's own work for a 20 KB save. So for ``checkpoint.save`` and ``checkpoint.delete`` the
+worker's main process keeps the messages it reserves (up to ``max_items``) for a short
+window, hands their raw bodies to one pool process as one job
+(``checkpointq.tasks.coalesced.apply_requests``: one pipelined round trip, each item fenced
+by its own ``seq``, in arrival order), and acknowledges each message only once the job says
+its item is durable.
+
+Delivery guarantees stay exactly those of one task per message:
+
+* A message is acknowledged only after its item was written; until then it sits in the
+  broker's ``unacked`` hash like any reserved message, so ``kill -9`` of the main process or
+  of the pool process at any point leaves it to be redelivered (visibility timeout), and a
+  replayed save or delete is harmless (fenced). ``tests/faults/test_coalescing.py`` kills a
+  real worker mid-group and finds every save applied.
+* Only the happy path is coalesced. A message the group could not apply (bad input, a value
+  the store refuses, a store outage, a pool process lost mid-job) is run as the single task
+  it is, by Celery's own strategy, so dead letters, retries and refusals take the one path
+  they always take. Messages that are not plain first deliveries (retries, ETA, expiry,
+  protocol 1) never enter a group.
+
+Why not ``celery-batches``: it buffers requests and runs the whole buffer as one task call,
+so one bad request or one retry concerns the whole buffer (its docs leave acks and retries
+per request to the task author), and it relies on an unlimited prefetch to fill its buffer,
+which on Redis makes a worker reserve the whole queue. Here the prefetch is bounded (the
+group size per pool process), each request keeps its own ack, refusal and retry, and the
+task path is unchanged for everything that is not a plain save or delete.
+
+Only the prefork and solo pools coalesce: their pool results arrive on the event loop,
+where kombu's channel may be used; with the threads pool the setting is ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from celery.exceptions import InvalidTaskError
+from celery.worker.strategy import default as default_strategy
+from kombu.exceptions import ContentDisallowed, DecodeError
+
+from checkpointq.tasks import messages
+from checkpointq.tasks.coalesced import apply_requests
+from checkpointq.worker.consumer import forget_locally
+
+logger = logging.getLogger(__name__)
+
+#: Tasks whose single requests are grouped.
+COALESCED = (messages.SAVE, messages.DELETE)
+
+Handler = Callable[..., Any]
+
+
+@dataclass(slots=True)
+class _Pending:
+    """One reserved message waiting in a group, with what Celery gave us to settle it."""
+
+    message: Any
+    task: str
+    task_id: str
+    ack: Any
+    reject: Any
+    callbacks: Any
+    fallback: Handler
+
+    def run_as_task(self, consumer: Any) -> None:
+        """Hand the message to Celery's own strategy: one task, as without coalescing.
+
+        Refusals are routed as Celery's ``on_task_received`` routes them (our consumer
+        dead-letters them); anything else leaves the message to be redelivered.
+        """
+        try:
+            self.fallback(self.message, None, self.ack, self.reject, self.callbacks)
+        except (InvalidTaskError, ContentDisallowed) as exc:
+            consumer.on_invalid_task(None, self.message, exc)
+        except DecodeError as exc:
+            consumer.on_decode_error(self.message, exc)
+        except Exception:
+            logger.exception("could not run %s [%s]; left for redelivery", self.task, self.task_id)
+            forget_locally(self.message.channel, self.message.delivery_tag)
+
+
+class Coalescer:
+    """Groups a consumer's eligible messages and runs each group as one pool job."""
+
+    def __init__(self, consumer: Any, max_items: int, window_seconds: float) -> None:
+        self.consumer = consumer
+        self.max_items = max_items
+        self.window = window_seconds
+        self.slots = max(1, int(getattr(consumer.pool, "num_processes", 1) or 1))
+        self._group: list[_Pending] = []
+        self._opened = 0.0
+        self._timer: Any = None
+        self._in_flight = 0
+
+    # -- main process, on the event loop -------------------------------------------------
+
+    def add(self, pending: _Pending) -> None:
+        if not self._group:
+            self._opened = time.monotonic()
+            self._timer = self.consumer.timer.call_after(self.window, self._on_window)
+        self._group.append(pending)
+        if len(self._group) >= self.max_items:
+            self._flush()
+
+    def _on_window(self) -> None:
+        self._timer = None
+        # While every pool process is busy a smaller group would only wait in line: keep
+        # filling it until one is free (``_on_done`` flushes then).
+        if self._in_flight < self.slots:
+            self._flush()
+
+    def _flush(self) -> None:
+        group, self._group = self._group, []
+        if self._timer is not None:
+            self.consumer.timer.cancel(self._timer)
+            self._timer = None
+        if not group:
+            return
+        self._in_flight += 1
+        requests = [(p.task, p.task_id, _body(p.message)) for p in group]
+
+        def on_done(done: list[bool]) -> None:
+            self._settle(group, done)
+
+        def on_error(exc: Any) -> None:
+            logger.warning("a group of %d requests failed (%s): each runs alone", len(group), exc)
+            self._settle(group, [False] * len(group))
+
+        try:
+            self.consumer.pool.apply_async(
+                apply_requests, args=(requests,), callback=on_done, error_callback=on_error
+            )
+        except Exception:
+            logger.exception("could not hand a group of %d requests to the pool", len(group))
+            self._settle(group, [False] * len(group))
+
+    def _settle(self, group: list[_Pending], done: list[bool]) -> None:
+        self._in_flight -= 1
+        self._ack_together([p for p, ok in zip(group, done, strict=False) if ok is True])
+        for pending, ok in zip(group, done, strict=False):
+            if ok is not True:
+                pending.run_as_task(self.consumer)
+        if self._group and (
+            len(self._group) >= self.max_items or time.monotonic() - self._opened >= self.window
+        ):
+            self._flush()
+
+    def _ack_together(self, applied: list[_Pending]) -> None:
+        """Acknowledge the applied requests' messages in one round trip.
+
+        kombu's Redis QoS acknowledges a message with a ZREM and an HDEL of its delivery tag
+        in a pipeline of its own: one round trip per message, as much as the group's whole
+        store write. Here every tag of the group goes in one pipeline, then each message is
+        marked acknowledged as ``Message.ack`` would. Other transports (no such QoS) ack
+        each message as usual. If the broker cannot be reached, the messages are forgotten
+        locally, their ``unacked`` entries stay and the visibility timeout redelivers them:
+        replaying an applied save or delete is harmless.
+        """
+        if not applied:
+            return
+        channel = applied[0].message.channel
+        qos: Any = getattr(channel, "qos", None)
+        remove = getattr(qos, "_remove_from_indices", None)
+        if remove is None or any(p.message.channel is not channel for p in applied):
+            for pending in applied:
+                # Celery's ack promise, as a Request calls it: logs instead of raising.
+                pending.ack(logger, self.consumer.connection_errors)
+            return
+        tags = [p.message.delivery_tag for p in applied]
+        try:
+            with qos.pipe_or_acquire() as pipe:
+                for tag in tags:
+                    remove(tag, pipe)
+                pipe.execute()
+        except (*self.consumer.connection_errors, *self.consumer.channel_errors) as exc:
+            logger.error("could not acknowledge %d applied requests: %s", len(tags), exc)
+            for tag in tags:
+                forget_locally(channel, tag)
+            return
+        for pending, tag in zip(applied, tags, strict=True):
+            qos._quick_ack(tag)
+            pending.message._state = "ACK"
+
+
+def _body(message: Any) -> bytes:
+    body = message.body
+    return body if isinstance(body, bytes) else str(body).encode("utf-8", "surrogateescape")
+
+
+def eligible(message: Any) -> bool:
+    """A plain first delivery of a protocol 2 JSON request: nothing Celery must schedule."""
+    headers = message.headers
+    return (
+        isinstance(headers, dict)
+        and message.content_type == messages.JSON
+        and not headers.get("eta")
+        and not headers.get("expires")
+        and not headers.get("retries")
+        and not headers.get("countdown")
+        and isinstance(headers.get("id"), str)
+    )
+
+
+def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Handler:
+    """Celery strategy for the coalesced tasks: group what is eligible, the rest as usual."""
+    fallback = default_strategy(task, app, consumer, **kwargs)
+    coalescer: Coalescer | None = getattr(consumer, "_checkpointq_coalescer", None)
+    if coalescer is None:
+        settings = app.conf.checkpointq_coalesce
+        coalescer = Coalescer(consumer, settings["max_items"], settings["window_seconds"])
+        consumer._checkpointq_coalescer = coalescer
+
+    def on_message(
+        message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **kw: Any
+    ) -> Any:
+        if body is not None or not eligible(message):
+            return fallback(message, body, ack, reject, callbacks, **kw)
+        headers = message.headers
+        coalescer.add(_Pending(message, task.name, headers["id"], ack, reject, callbacks, fallback))
+        return None
+
+    return on_message
+
+
+def install(app: Any, *, max_items: int, window_ms: float) -> None:
+    """Coalesce ``app``'s single saves and deletes (``Settings.coalescing`` says when)."""
+    app.conf.checkpointq_coalesce = {"max_items": max_items, "window_seconds": window_ms / 1000}
+    for name in COALESCED:
+        app.tasks[name].Strategy = f"{__name__}:strategy"
