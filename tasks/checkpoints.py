@@ -148,6 +148,9 @@ def _dead_letter(
         task_id=task.request.id,
         args=list(args),
         kwargs=dict(kwargs),
+        # The body exactly as received, when the consumer handed it on (a task called
+        # directly has none: the JSON of its arguments is kept instead).
+        raw=getattr(task.request, messages.RAW_BODY_FIELD, None),
         retries=task.request.retries or 0,
     )
     return {"outcome": "dead_lettered", "kind": kind.value, "entry": entry}
@@ -179,6 +182,16 @@ def _observe(
     )
 
 
+def _keep_raw_body_to_ourselves(request: Any) -> None:
+    """Take the body the consumer handed on out of the request's custom headers: it stays
+    a ``request`` attribute for ``_dead_letter``, but Celery copies custom headers into a
+    retry's message, which must not carry the body twice."""
+    headers = request.headers
+    if isinstance(headers, dict) and messages.RAW_BODY_FIELD in headers:
+        headers.pop(messages.RAW_BODY_FIELD)
+        request.headers = headers or None
+
+
 class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
     """Base of the checkpoint tasks: argument checks, retries and dead letters."""
 
@@ -190,6 +203,7 @@ class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
     typing = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Outcome:
+        _keep_raw_body_to_ourselves(self.request)
         try:
             return self._attempt(args, kwargs)
         except StoreUnavailable as exc:

@@ -43,6 +43,12 @@ EMBED = b'{"callbacks":null,"errbacks":null,"chain":null,"chord":null}'
 #: The JSON content type, the only one the worker accepts.
 JSON = "application/json"
 
+#: The request field under which the worker's consumer hands a task its message body as
+#: received (bytes), so that a dead letter keeps it exactly: the consumer sets it among the
+#: message's headers, which Celery passes to the task as ``task.request`` fields. Not a
+#: header any producer sends.
+RAW_BODY_FIELD = "checkpointq_raw_body"
+
 Arguments = tuple[list[Any], dict[str, Any]]
 
 

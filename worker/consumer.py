@@ -223,6 +223,11 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no 
                 kind = Reason.INVALID_INPUT
                 reason = f"JSON nested {depth} levels deep; the limit is {MAX_NESTING}"
             else:
+                if isinstance(message.headers, dict):
+                    # For a dead letter's raw payload (tasks/checkpoints.py). The same bytes
+                    # object as the body Celery already sends to the pool process, so the
+                    # pickle carrying both holds it once.
+                    message.headers[messages.RAW_BODY_FIELD] = message.body
                 return handle(message)
             if self._record(message, kind, reason):
                 message.ack_log_error(logger, self.connection_errors)

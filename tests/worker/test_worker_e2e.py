@@ -224,3 +224,22 @@ def test_the_envelope_documented_in_protocol_md_is_applied_as_written(live: Depl
         wait_until(lambda: client.load("sess-42") is not None, timeout=15, message="doc save")
         fence = client.store.fence("sess-42")
         assert fence is not None and fence.seq == 1733130000000000
+
+
+def test_a_refused_requests_dead_letter_keeps_its_body_exactly_as_received(
+    live: Deployment,
+) -> None:
+    # Given a save refused by the store, its body written by hand: an empty embed, odd spacing
+    body = b'[[{"sessionId": "", "version": 1}],  {"seq": 5},{}]'
+    live.broker_client().lpush(QUEUE, protocol2(SAVE, [], body=body, task_id="raw-exact"))
+
+    # When it is dead-lettered
+    wait_until(
+        lambda: live.dead_letters().list(count=10).entries, timeout=20, message="dead letter"
+    )
+    (letter,) = live.dead_letters().list(count=10).entries
+
+    # Then its raw payload is those bytes, embed included, and its arguments were decoded
+    assert letter.task_id == "raw-exact" and letter.kind == "invalid_input"
+    assert letter.raw == body
+    assert letter.args == [{"sessionId": "", "version": 1}] and letter.kwargs == {"seq": 5}
