@@ -73,7 +73,9 @@ def _raw(message: Message) -> bytes:
 #: nest a handful of levels.
 MAX_NESTING = 128
 
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+# A JSON string, written as "unrolled loop" (runs of plain characters between escapes): Python's
+# re engine matches it ~4x faster than one alternation per character (1.3 MB: 4.5 vs 20 ms).
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
 
