@@ -22,6 +22,9 @@ from tests.support.cluster import LocalCluster
 from tests.support.servers import free_port
 
 _prefixes = itertools.count()
+# The per-slot tags are computed once per process (~110k CRC16s): here, not inside the first
+# Hypothesis example, whose deadline a loaded machine would otherwise exceed.
+slot_tags()
 BRACE_IDS = ["{", "}", "{}", "}{", "{x}", "a{b}c", "{17290}:x", "}:{", "{{a}}", "x}:fence:y"]
 
 
