@@ -8,13 +8,14 @@ makes the index agree with the keyspace again, a bounded slice at a time:
 
 1. ``data``: ``SCAN <prefix>:* TYPE string`` on every primary, adopting keys the index lacks
    and moving deadlines to the value's own;
-2. ``index``: ``ZSCAN`` of every index shard, dropping the entries whose value is gone.
+2. ``index``: ``ZSCAN`` of every deadline index, dropping the entries whose value is gone.
 
-Each session found goes through ``reconcile.lua``, one single-slot script call (pipelined),
-so the pass is as safe beside concurrent saves and deletes as any write, on a single Redis
-and on a cluster alike. Where the pass stands is kept in Redis (``KeySpace.reconcile_cursor``)
-so that every beat tick, in whichever worker, carries on from the last one. Two passes
-running at once only repeat each other's idempotent work.
+Each session found goes through ``reconcile.lua``, atomically (one script call handles up to
+``SCRIPT_SESSIONS`` sessions of one slot; the calls are pipelined), so the pass is as safe
+beside concurrent saves and deletes as any write, on a single Redis and on a cluster alike.
+Where the pass stands is kept in Redis (``KeySpace.reconcile_cursor``) so that every beat
+tick, in whichever worker, carries on from the last one. Two passes running at once only
+repeat each other's idempotent work.
 
 SCAN guarantees that a key present for a whole pass is returned at least once; a key
 written during the pass may be missed and is found by the next one. So a foreign write is
@@ -39,6 +40,10 @@ logger = logging.getLogger(__name__)
 #: Keys asked of one SCAN or ZSCAN call (its COUNT). Each call then walks about this many
 #: entries: ~0.1-0.3 ms of Redis time, far from the 5 ms that no call may exceed.
 SCAN_COUNT = 250
+
+#: Sessions one ``reconcile.lua`` call handles (of one slot): ~6 commands each, so a call
+#: stays well under a millisecond of Redis time.
+SCRIPT_SESSIONS = 100
 
 #: What an (almost) empty ZSCAN counts against a slice's budget: a round trip's worth.
 MIN_ZSCAN_COST = 16
@@ -216,21 +221,28 @@ class Reconciler:
         return int(next(iter(cursors.values()))), keys
 
     def _reconcile(self, ids: list[str], report: ReconcileReport) -> None:
+        """One pipelined round trip of ``reconcile.lua`` calls, each for up to
+        ``SCRIPT_SESSIONS`` sessions of one slot (all of them, on a single Redis)."""
         if not ids:
             return
+        by_slot: dict[int, list[str]] = {}
+        for session_id in ids:
+            by_slot.setdefault(self.keys.shard(session_id), []).append(session_id)
+        calls = [
+            group[start : start + SCRIPT_SESSIONS]
+            for group in by_slot.values()
+            for start in range(0, len(group), SCRIPT_SESSIONS)
+        ]
         now_ms = int(self.store.clock() * 1000)
         pipe = self.client.pipeline(transaction=False)
-        for session_id in ids:
-            queue(
-                self.store.scripts.reconcile,
-                pipe,
-                self.keys.session(session_id).as_list(),
-                [now_ms, session_id, TOLERANCE_MS],
-            )
-        for session_id, outcome in zip(ids, pipe.execute(), strict=True):
-            name = _OUTCOMES.get(int(outcome))
-            if name is not None:
-                getattr(report, name).append(session_id)
+        for call in calls:
+            keys = [key for session_id in call for key in self.keys.session(session_id).as_list()]
+            queue(self.store.scripts.reconcile, pipe, keys, [now_ms, TOLERANCE_MS, *call])
+        for call, outcomes in zip(calls, pipe.execute(), strict=True):
+            for session_id, outcome in zip(call, outcomes, strict=True):
+                name = _OUTCOMES.get(int(outcome))
+                if name is not None:
+                    getattr(report, name).append(session_id)
 
     # -- the shared cursor ---------------------------------------------------------------
 

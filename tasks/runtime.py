@@ -35,7 +35,7 @@ class Runtime:
     #: Most sessions one sweep expires.
     sweep_limit: int = 10_000
     #: Keys and index entries one reconciliation slice looks at.
-    reconcile_budget: int = 20_000
+    reconcile_budget: int = 50_000
     #: Entries kept in the events stream.
     events_maxlen: int = 100_000
 

@@ -124,8 +124,8 @@ class Settings(BaseSettings):
     #: other writers (a Go RedisStore) saved alone and drops entries of values they deleted.
     reconcile_interval_seconds: float = Field(default=10.0, gt=0)
     #: Keys and index entries one reconciliation slice looks at (the next carries on). A full
-    #: pass over N sessions takes about 2N / budget slices.
-    reconcile_budget: int = Field(default=20_000, ge=1)
+    #: pass takes about (keys in the store's database + sessions) / budget slices.
+    reconcile_budget: int = Field(default=50_000, ge=1)
     #: Entries kept in the dead-letter stream (oldest trimmed first).
     dead_letter_maxlen: int = Field(default=100_000, ge=100)
     #: Entries kept in the events stream (expired/deleted session ids).
