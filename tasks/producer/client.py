@@ -92,6 +92,24 @@ _brief = reprlib.Repr()
 _brief.maxlevel, _brief.maxdict, _brief.maxlist, _brief.maxstring = 2, 4, 4, 40
 
 
+def _bounded(broker_url: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with socket timeouts for a Redis-based broker (Sentinel included: its
+    sentinels too), which kombu otherwise leaves unbounded: a sentinel that accepts
+    connections and never answers hung a publish for good."""
+    kind = brokers.broker_kind(broker_url)
+    if kind not in (brokers.BrokerKind.REDIS, brokers.BrokerKind.SENTINEL):
+        return options
+    timeouts = {
+        "socket_timeout": fast_publish.ATTEMPT_TIMEOUT,
+        "socket_connect_timeout": fast_publish.ATTEMPT_TIMEOUT,
+    }
+    sentinels = {**options.get("sentinel_kwargs", {}), **timeouts}
+    bounded = {**timeouts, **options}
+    if kind is brokers.BrokerKind.SENTINEL:
+        bounded["sentinel_kwargs"] = sentinels
+    return bounded
+
+
 class CheckpointClient:
     """Enqueue checkpoint requests and read checkpoints; safe to share between threads."""
 
@@ -141,7 +159,9 @@ class CheckpointClient:
             task_publish_retry=True,
             task_publish_retry_policy=PUBLISH_RETRY_POLICY,
             broker_connection_retry_on_startup=True,
-            broker_transport_options=self._transport_options,
+            # Every wait bounded, as on the Redis fast path: connecting, and each answer.
+            broker_connection_timeout=fast_publish.ATTEMPT_TIMEOUT,
+            broker_transport_options=_bounded(self._broker_url, self._transport_options),
         )
         return app
 

@@ -13,6 +13,7 @@ import redis
 from checkpointq.store import InMemoryStore
 from checkpointq.store.serde import checkpoint_to_wire
 from checkpointq.store.urls import redis_py_url
+from checkpointq.tasks import brokers
 from checkpointq.tasks.errors import BrokerUnavailable
 from checkpointq.tasks.messages import SAVE
 from checkpointq.tasks.producer import fast_publish
@@ -130,6 +131,23 @@ def test_a_broker_that_accepts_and_never_answers_bounds_the_publish() -> None:
     # ATTEMPT_TIMEOUT (1 s) for an answer, so 3 attempts, 1.5 s of pauses, 3.5 s in all
     assert fast_publish.PUBLISH_TIMEOUT == 5.0 and fast_publish.ATTEMPT_TIMEOUT == 1.0
     assert silent.accepted == 3, failure.value
+
+
+@pytest.mark.parametrize("scheme", ["sentinel", "amqp"])
+def test_a_silent_sentinel_or_rabbitmq_fails_the_publish_instead_of_hanging(scheme: str) -> None:
+    # Given a Sentinel (or RabbitMQ) broker that accepts connections and never answers:
+    # the client publishes through Celery there, and a sentinel used to hang it for good
+    with SilentListener() as silent:
+        url = f"{scheme}://guest:guest@127.0.0.1:{silent.port}/"
+        options = brokers.transport_options(url, sentinel_master="mymaster")
+        client = CheckpointClient(url, InMemoryStore(), queue=QUEUE, transport_options=options)
+
+        # When a request is published, Then it fails (pytest's per-test timeout would
+        # fail a hang) with BrokerUnavailable
+        with pytest.raises(BrokerUnavailable):
+            client.delete("s1")
+        client.close()
+    assert silent.accepted >= 1
 
 
 @pytest.mark.integration
