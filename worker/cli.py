@@ -255,11 +255,15 @@ def wait_options(function: F) -> F:
 
 
 def _configure_logging(settings: Settings) -> None:
+    """``up``'s own log lines: text, or JSON objects like its children's; passwords hidden."""
+    from checkpointq.worker import logs
+
     logging.basicConfig(
         level=settings.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    logs.apply(logging.getLogger(), settings.log_format)
 
 
 @click.group(name="checkpointq", cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
@@ -294,13 +298,14 @@ def up(as_json: bool, **run: Any) -> None:
         if settings.broker_url
         else f"embedded Redis under {settings.data_dir.resolve()}"
     )
-    click.echo(f"checkpointq up: starting; broker {where}", err=True)
+    up_log = logging.getLogger("checkpointq.up")
+    up_log.info("starting; broker %s", where)
     Supervisor(
         settings,
         on_ready=lambda running: _ready_block(running, embedded, as_json),
         child_env=_override_env(settings, run, as_json),
     ).run()
-    click.echo("checkpointq up: stopped", err=True)
+    up_log.info("stopped")
 
 
 def _ready_block(settings: Settings, embedded: bool, as_json: bool) -> None:

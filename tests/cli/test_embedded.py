@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -164,3 +165,20 @@ def test_settings_find_a_running_embedded_redis_and_its_url_serves_store_and_bro
 
     # And once it stops, nothing is found again
     assert Settings().broker_url is None
+
+
+def test_up_says_it_is_ready_as_one_json_object_with_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from checkpointq.worker.cli import _ready_block
+
+    settings = Settings(broker_url=f"unix://{tmp_path}/redis.sock", data_dir=tmp_path)
+    _ready_block(settings, embedded=True, as_json=True)
+
+    (line,) = capsys.readouterr().err.splitlines()
+    assert json.loads(line) == {
+        "event": "ready",
+        "data_dir": str(tmp_path.resolve()),
+        "broker_url": f"unix://{tmp_path}/redis.sock",
+        "queue": "checkpoints",
+    }
