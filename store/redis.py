@@ -41,7 +41,7 @@ from checkpointq.store.base import (
     SessionCounts,
     StoreOptions,
 )
-from checkpointq.store.cluster import cluster_client_from_url, is_cluster_url
+from checkpointq.store.cluster import cluster_client_from_url
 from checkpointq.store.codec import CodecError
 from checkpointq.store.errors import (
     CorruptCheckpoint,
@@ -55,7 +55,7 @@ from checkpointq.store.model import Checkpoint
 from checkpointq.store.reconcile import Reconciler, ReconcileReport
 from checkpointq.store.scripts import Scripts, queue
 from checkpointq.store.serde import deserialize_checkpoint
-from checkpointq.store.urls import redact_url, redis_py_url
+from checkpointq.store.urls import is_cluster_url, redact_url, redis_py_url
 
 logger = logging.getLogger(__name__)
 

@@ -10,6 +10,9 @@ the same rules:
   either spelling works wherever a URL is read.
 * **Schemes by kind**: plain Redis, Sentinel, RabbitMQ. ``tasks/brokers.py`` maps these onto
   the transport options each kind needs.
+* **Redis Cluster** (``redis+cluster://h:7000,h2:7000`` or ``...?cluster=true``) and
+  **Sentinel** (kombu's ``sentinel://h:26379;sentinel://h2:26379``) URLs, taken apart into
+  what redis-py's clients are built from (``store/cluster.py``, ``worker/ops/broker_probe.py``).
 * **Redaction**: ``redact_url`` for one URL, ``redact_urls`` for every URL inside a text (log
   lines, error messages).
 """
@@ -17,7 +20,8 @@ the same rules:
 from __future__ import annotations
 
 import re
-from urllib.parse import urlsplit, urlunsplit
+from dataclasses import dataclass
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 #: Plain Redis: redis-py's spellings and kombu's for a unix socket.
 REDIS_SCHEMES = frozenset({"redis", "rediss", "unix", "redis+socket", "socket"})
@@ -74,6 +78,73 @@ def kombu_url(url: str) -> str:
 def unix_socket_url(path: str) -> str:
     """The URL of a Redis listening on the unix socket at ``path`` (absolute)."""
     return f"unix://{path}"
+
+
+#: Cluster schemes and the plain scheme of each seed.
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+_TRUE = {"1", "true", "yes", "on"}
+#: A sentinel's port when its URL gives none.
+SENTINEL_PORT = 26379
+
+
+def is_cluster_url(url: str) -> bool:
+    """Whether ``url`` asks for Redis Cluster (by scheme or by ``cluster=true``)."""
+    parts = urlsplit(url)
+    if parts.scheme in CLUSTER_SCHEMES:
+        return True
+    return any(
+        name == "cluster" and value.lower() in _TRUE for name, value in parse_qsl(parts.query)
+    )
+
+
+def cluster_seeds(url: str) -> tuple[str, list[tuple[str, int]]]:
+    """A cluster URL as redis-py's ``RedisCluster.from_url`` takes it: the first seed's
+    plain ``redis://`` (or ``rediss://``) URL, credentials and options kept, and every seed.
+
+    Raises:
+        ValueError: the URL names no node or a port that is not a number.
+    """
+    parts = urlsplit(url)
+    scheme = CLUSTER_SCHEMES.get(parts.scheme, parts.scheme)
+    auth, _, hosts = parts.netloc.rpartition("@")
+    seeds = [_host_port(seed) for seed in hosts.split(",")]
+    query = urlencode([(k, v) for k, v in parse_qsl(parts.query) if k != "cluster"])
+    first_host, first_port = seeds[0]
+    netloc = f"{auth}@" if auth else ""
+    netloc += f"[{first_host}]:{first_port}" if ":" in first_host else f"{first_host}:{first_port}"
+    return urlunsplit((scheme, netloc, parts.path, query, parts.fragment)), seeds
+
+
+def _host_port(seed: str) -> tuple[str, int]:
+    host, sep, port = seed.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"cluster seed {seed!r} must be host:port")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True, slots=True)
+class SentinelURL:
+    """A Sentinel broker URL taken apart: the sentinels, and the master's credentials and
+    database (given on the first sentinel's URL, as kombu reads them)."""
+
+    sentinels: list[tuple[str, int]]
+    username: str | None
+    password: str | None
+    db: int
+    ssl: bool
+
+
+def parse_sentinel_url(url: str) -> SentinelURL:
+    """``sentinel://[:password@]host:port[/db]`` URLs joined by ``;`` (kombu's spelling)."""
+    parts = [urlsplit(part.strip()) for part in url.split(";") if part.strip()]
+    first = parts[0]
+    return SentinelURL(
+        sentinels=[(p.hostname or "127.0.0.1", p.port or SENTINEL_PORT) for p in parts],
+        username=unquote(first.username) if first.username else None,
+        password=unquote(first.password) if first.password else None,
+        db=int(first.path.strip("/") or 0),
+        ssl=first.scheme == "sentinels",
+    )
 
 
 def redact_url(url: str) -> str:

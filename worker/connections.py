@@ -11,12 +11,12 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from checkpointq.store.cluster import cluster_client_from_url, is_cluster_url
+from checkpointq.store.cluster import cluster_client_from_url
 from checkpointq.store.errors import CheckpointError
 from checkpointq.store.keys import KeySpace
 from checkpointq.store.redis import RedisStore
 from checkpointq.store.redis import layout as store_layout
-from checkpointq.store.urls import redis_py_url
+from checkpointq.store.urls import is_cluster_url, redis_py_url
 from checkpointq.worker.embedded import EmbeddedRedis
 from checkpointq.worker.settings import Settings
 

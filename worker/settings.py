@@ -13,9 +13,13 @@ from pydantic import Field, PrivateAttr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from checkpointq.store.base import StoreOptions
-from checkpointq.store.cluster import is_cluster_url
 from checkpointq.store.keys import DEFAULT_PREFIX
-from checkpointq.store.urls import SUPPORTED_BROKER_SCHEMES, redact_url, scheme_of
+from checkpointq.store.urls import (
+    SUPPORTED_BROKER_SCHEMES,
+    is_cluster_url,
+    redact_url,
+    scheme_of,
+)
 from checkpointq.tasks.brokers import BrokerKind, broker_kind, is_known_transport
 from checkpointq.worker.embedded import EmbeddedRedis
 

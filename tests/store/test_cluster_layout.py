@@ -14,9 +14,9 @@ from redis.cluster import RedisCluster
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from checkpointq.store import InvalidInput, RedisStore, StoreUnavailable
-from checkpointq.store.cluster import is_cluster_url
 from checkpointq.store.keys import ClusterKeySpace, KeySpace, ShardedKeySpace, slot_tags
 from checkpointq.store.serde import serialize_checkpoint
+from checkpointq.store.urls import is_cluster_url
 from tests.support.checkpoints import make_checkpoint
 from tests.support.cluster import LocalCluster
 from tests.support.servers import free_port

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from checkpointq.store.urls import (
+    cluster_seeds,
     is_redis_url,
     kombu_url,
+    parse_sentinel_url,
     redact_url,
     redact_urls,
     redis_py_url,
@@ -47,3 +49,20 @@ def test_every_url_in_a_text_loses_its_password() -> None:
     assert "amqp://u:***@mq//" in shown
     assert "unix:///r.sock" in shown
     assert redact_url("redis://h:6379/0?password=x") == "redis://h:6379/0?password=***"
+
+
+def test_a_sentinel_url_gives_every_sentinel_and_the_masters_credentials() -> None:
+    parsed = parse_sentinel_url("sentinels://:p%40ss@h1:26380/2;sentinel://h2")
+
+    assert parsed.sentinels == [("h1", 26380), ("h2", 26379)]
+    assert parsed.password == "p@ss" and parsed.username is None
+    assert parsed.db == 2 and parsed.ssl
+
+
+def test_a_cluster_url_gives_the_first_seeds_plain_url_and_every_seed() -> None:
+    plain, seeds = cluster_seeds("rediss+cluster://:pw@h1:7000,[::1]:7001/0?ssl_cert_reqs=none")
+
+    assert plain == "rediss://:pw@h1:7000/0?ssl_cert_reqs=none"
+    assert seeds == [("h1", 7000), ("::1", 7001)]
+    with pytest.raises(ValueError, match="host:port"):
+        cluster_seeds("redis+cluster://h1")

@@ -33,7 +33,6 @@ import threading
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import redis
 from kombu.connection import Connection
@@ -42,7 +41,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel
 
-from checkpointq.store.urls import redact_url, redis_py_url
+from checkpointq.store.urls import parse_sentinel_url, redact_url, redis_py_url
 from checkpointq.tasks import messages
 from checkpointq.tasks.brokers import BrokerKind, broker_kind
 from checkpointq.tasks.errors import BrokerUnavailable
@@ -50,8 +49,6 @@ from checkpointq.worker.settings import Settings
 
 #: Seconds a probe may take to connect and to get each answer.
 PROBE_TIMEOUT = 3.0
-#: kombu's default Sentinel port, for a ``sentinel://host`` without one.
-SENTINEL_PORT = 26379
 #: AMQP reply code of a passive declare of a queue that does not exist.
 NOT_FOUND = 404
 
@@ -152,9 +149,8 @@ def sentinel_master_client(
     ``sentinel://[:password@]host:port[/db]`` joined by ``;``; the password and database of
     the first are the master's). The master is looked up on each new connection, so the
     client follows a failover."""
-    parts = [urlsplit(part.strip()) for part in url.split(";") if part.strip()]
-    sentinels = [(p.hostname or "127.0.0.1", p.port or SENTINEL_PORT) for p in parts]
-    first = parts[0]
+    parsed = parse_sentinel_url(url)
+    sentinels = parsed.sentinels
     # Asked in turn until one answers: a silent one must leave time for the others.
     each = timeout / len(sentinels)
     sentinel_kwargs: dict[str, Any] = {
@@ -167,10 +163,10 @@ def sentinel_master_client(
     group = Sentinel(  # type: ignore[no-untyped-call]  # redis.sentinel: no hints
         sentinels,
         sentinel_kwargs=sentinel_kwargs,
-        username=unquote(first.username) if first.username else None,
-        password=unquote(first.password) if first.password else None,
-        db=int(first.path.strip("/") or 0),
-        ssl=first.scheme == "sentinels",
+        username=parsed.username,
+        password=parsed.password,
+        db=parsed.db,
+        ssl=parsed.ssl,
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
     )
