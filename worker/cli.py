@@ -269,13 +269,19 @@ def _configure_logging(settings: Settings) -> None:
 @click.group(name="checkpointq", cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="checkpointq", prog_name="checkpointq")
 def cli() -> None:
-    """Persist AI-agent session checkpoints through Celery workers on Redis."""
+    """Persist AI-agent session checkpoints through Celery workers on Redis.
+
+    Settings come from CHECKPOINTQ_* variables or a .env file (README, Configuration). With
+    no CHECKPOINTQ_BROKER_URL, every command uses the embedded Redis of a `checkpointq up`
+    running in this directory. Errors are one line on stderr with exit 1; --json on every
+    command prints JSON for scripts.
+    """
 
 
 # -- running the system ---------------------------------------------------------------------
 
 
-@cli.command()
+@cli.command(short_help="Run worker, beat (and an embedded Redis) in the foreground.")
 @run_options
 @run_json_option
 def up(as_json: bool, **run: Any) -> None:
@@ -337,7 +343,7 @@ def _ready_block(settings: Settings, embedded: bool, as_json: bool) -> None:
     click.echo("\n".join(lines), err=True)
 
 
-@cli.command()
+@cli.command(short_help="Run one Celery worker on the queue.")
 @run_options
 @run_json_option
 def worker(as_json: bool, **run: Any) -> None:
@@ -368,7 +374,7 @@ def worker(as_json: bool, **run: Any) -> None:
     app.worker_main(argv)
 
 
-@cli.command()
+@cli.command(short_help="Run beat: it schedules the sweep of expired sessions.")
 @click.option(
     "-l",
     "--loglevel",
@@ -436,7 +442,7 @@ def _ago_us(seq: int) -> str:
     return _when(seq / 1_000_000)
 
 
-@cli.command()
+@cli.command(short_help="Enqueue a save of a checkpoint JSON file (--wait: until applied).")
 @click.argument("source", type=click.File("rb"), metavar="FILE|-")
 @wait_options
 @json_option
@@ -468,7 +474,7 @@ def save(source: IO[bytes], wait: bool, timeout: float, as_json: bool) -> None:
     _emit(as_json, {**_handle_json(handle, outcome), "messages": trimmed or None}, human)
 
 
-@cli.command()
+@cli.command(short_help="Enqueue a delete of a session (--wait: until applied).")
 @click.argument("session_id")
 @wait_options
 @json_option
@@ -505,7 +511,7 @@ def _show_lines(checkpoint: Checkpoint) -> Iterator[str]:
         yield f"  {message.role}: {content[:120]}{'…' if len(content) > 120 else ''}"
 
 
-@cli.command()
+@cli.command(short_help="Print a session's checkpoint, read from the store.")
 @click.argument("session_id")
 @json_option
 def show(session_id: str, as_json: bool) -> None:
@@ -520,15 +526,20 @@ def show(session_id: str, as_json: bool) -> None:
     _emit(as_json, checkpoint_to_wire(checkpoint), _show_lines(checkpoint))
 
 
-@cli.command(name="ls")
+@cli.command(name="ls", short_help="List live session ids (all, or a page at a time).")
 @click.option(
     "--limit", type=click.IntRange(min=1), metavar="N", help="Print at most N ids, then stop."
 )
 @click.option(
-    "--cursor", help="Print one page starting at this cursor (from a previous --page-size)."
+    "--cursor",
+    metavar="CURSOR",
+    help="Print the page starting at this cursor (the previous page printed it on stderr).",
 )
 @click.option(
-    "--page-size", type=click.IntRange(min=1), help="Print one page of about this many ids."
+    "--page-size",
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="Print one page of about N ids, and on stderr the command for the next page.",
 )
 @json_option
 def list_sessions(
@@ -556,7 +567,7 @@ def list_sessions(
     _emit(as_json, {"sessions": ids, "cursor": next_cursor}, human)
 
 
-@cli.command()
+@cli.command(short_help="Print queue depth, sessions, dead letters, workers, throughput.")
 @json_option
 def stats(as_json: bool) -> None:
     """Queue depth, sessions, dead letters, workers and their totals (what `top` shows)."""
@@ -568,7 +579,7 @@ def stats(as_json: bool) -> None:
     _emit(as_json, snapshot.as_json(), top_view.stats_lines(snapshot))
 
 
-@cli.command()
+@cli.command(short_help="Live view of throughput, queue, lag and workers (q quits).")
 @click.option(
     "--interval",
     type=click.FloatRange(min=0.1),
@@ -610,9 +621,18 @@ def top(interval: float, once: bool, as_json: bool) -> None:
         raise SystemExit(EXIT_FAILURE)
 
 
-@cli.command()
-@click.option("--local", is_flag=True, help="Require a worker on this host (container probes).")
-@click.option("--beat", is_flag=True, help="Check beat's sweep schedule instead of workers.")
+@cli.command(short_help="Exit 0 if broker, store and a worker (or beat) are alive.")
+@click.option(
+    "--local",
+    is_flag=True,
+    help="Require a worker on this host: the probe inside a worker's container or pod.",
+)
+@click.option(
+    "--beat",
+    is_flag=True,
+    help="Check beat instead of workers: healthy unless the next sweep is over 30 s late "
+    "(beat's own probe).",
+)
 @json_option
 def health(local: bool, beat: bool, as_json: bool) -> None:
     """Exit 0 when the broker and store answer and a worker is alive (or beat, with --beat).
@@ -635,7 +655,7 @@ def health(local: bool, beat: bool, as_json: bool) -> None:
 # -- housekeeping ---------------------------------------------------------------------------
 
 
-@cli.command()
+@cli.command(short_help="Expire stale sessions now (what beat does every interval).")
 @json_option
 def sweep(as_json: bool) -> None:
     """Expire stale sessions now (what beat does every sweep interval)."""
@@ -768,7 +788,13 @@ def _compact(value: Any) -> str:
 
 @dlq.command(name="replay")
 @click.argument("entry_ids", nargs=-1)
-@click.option("--all", "replay_all", is_flag=True, help="Replay every replayable entry.")
+@click.option(
+    "--all",
+    "replay_all",
+    is_flag=True,
+    help="Replay every replayable entry (those whose task or arguments could never be "
+    "decoded are skipped and listed).",
+)
 @json_option
 def dlq_replay(entry_ids: tuple[str, ...], replay_all: bool, as_json: bool) -> None:
     """Enqueue dead letters again (by id, or --all), removing each once it is enqueued."""
