@@ -300,7 +300,7 @@ func (c *Client[C]) LoadWithSeq(ctx context.Context, sessionID string) (*C, int6
 	if err != nil {
 		return nil, 0, fmt.Errorf("%w: load %q: %v", ErrStoreUnavailable, sessionID, err)
 	}
-	items, err := replyList(reply, 4)
+	items, err := replyList(reply, 5)
 	if err != nil {
 		return nil, 0, fmt.Errorf("%w: load %q: %v", ErrStoreUnavailable, sessionID, err)
 	}

@@ -22,17 +22,18 @@ type Redis interface {
 }
 
 // loadScript is store/lua/load.lua, byte for byte (a test compares them): a checkpoint and
-// its session's fence in one round trip. Returns {value, seq, deleted, req}, nil where absent.
+// its session's fence in one round trip. Returns {value, seq, deleted, req, deadline}, nil where
+// absent (the client reads the first four).
 const loadScript = `-- load.lua: read a session's checkpoint and its fence in one round trip.
 --
 -- KEYS[1]  data key
 -- KEYS[2]  fence hash (see save.lua)
 --
--- Returns {value, seq, deleted, req}, each nil (false) where absent. Read together, the
+-- Returns {value, seq, deleted, req, deadline}, each nil (false) where absent. Read together, the
 -- fence is never older than the value, so a request stamped after the fence's seq sorts
 -- after the write that was loaded (the producer rule, docs/protocol.md).
-local fence = redis.call('HMGET', KEYS[2], 'seq', 'deleted', 'req')
-return {redis.call('GET', KEYS[1]), fence[1], fence[2], fence[3]}
+local fence = redis.call('HMGET', KEYS[2], 'seq', 'deleted', 'req', 'deadline')
+return {redis.call('GET', KEYS[1]), fence[1], fence[2], fence[3], fence[4]}
 `
 
 // outcomeScript reads what WaitDurable needs in one round trip (the Python client reads the
