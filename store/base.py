@@ -282,6 +282,15 @@ class CheckpointStore(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook, most stores hold nothing
         """Release connections; the store is unusable afterwards."""
 
+    def write_refusal(self) -> str | None:
+        """None when the store accepts a write now; else why not, in one line.
+
+        Asked before a request that keeps failing is given up on: while the store refuses
+        every write (down, out of memory, read-only) the request waits in the broker
+        instead. A store held in memory always accepts.
+        """
+        return None
+
     # -- shared behaviour ---------------------------------------------------------------
 
     def iter_session_ids(self, batch: int = 1000) -> Iterator[str]:

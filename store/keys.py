@@ -10,6 +10,7 @@ Single Redis (``KeySpace``; prefix ``agentorca-session``, the Go default)::
     agentorca-session.cq:refused:<req>  hash: why request <req> was dead-lettered, and where
     agentorca-session.cq:events         stream of expired/deleted session ids
     agentorca-session.cq:reconcile      hash: where the reconciliation pass stands
+    agentorca-session.cq:write-probe    written by workers and health checks: "can we write?"
 
 A Go-style ``SCAN agentorca-session:*`` therefore sees exactly the checkpoints: our
 bookkeeping lives under ``<prefix>.cq:``, which that pattern cannot match. Keys are only ever
@@ -147,6 +148,10 @@ class KeySpace:
     def workers(self) -> str:
         """Set of the names of workers that sent a heartbeat (some may have stopped since)."""
         return f"{self._internal}:workers"
+
+    def write_probe(self) -> str:
+        """A short-lived key written only to learn whether the store accepts writes."""
+        return f"{self._internal}:write-probe"
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ from redis.cluster import RedisCluster
 from redis.commands.core import Script
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS
 
+from checkpointq.store import probe
 from checkpointq.store.base import (
     BatchOp,
     BatchResult,
@@ -645,6 +646,9 @@ class RedisStore(CheckpointStore):
         """Raise StoreUnavailable unless Redis answers."""
         with _store_errors("ping"):
             self.client.ping()
+
+    def write_refusal(self) -> str | None:
+        return probe.write_refusal(self.client, self.keys.write_probe())
 
     def close(self) -> None:
         """Close every connection now. A cluster client built from a URL gives each node a

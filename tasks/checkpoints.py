@@ -10,9 +10,14 @@ Task names are the message contract (``checkpointq.tasks.messages``, docs/protoc
     checkpoint.apply_batch(items: list)   (tasks/batch.py)
 
 Policy lives in ``CheckpointTask.__call__`` and the helpers below, not in the task bodies:
-bad input (``store.InvalidInput``, wrong arguments) is dead-lettered at once; an unavailable
-store is retried with backoff and dead-lettered when retries run out; anything unexpected is
-dead-lettered too, so a request never disappears with only a traceback to show for it.
+bad input (``store.InvalidInput``, wrong arguments) is dead-lettered at once; anything
+unexpected is dead-lettered too, so a request never disappears with only a traceback to show
+for it. An unavailable store is retried with backoff; when the retries run out the task asks
+the store for a write (``CheckpointStore.write_refusal``): while it refuses, the message goes
+back to the broker's queue (rejected with requeue), since an outage is no fault of the
+request; only a request that keeps failing while the store accepts other writes is
+dead-lettered. Meanwhile the worker has paused consuming (``worker/backpressure.py``), so
+the queue keeps what arrives during an outage of any length.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import Celery, Task
+from celery.exceptions import Reject
 
 from checkpointq.store.errors import InvalidInput, StoreUnavailable
 from checkpointq.store.model import validate_session_id
@@ -209,8 +215,11 @@ class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
         except StoreUnavailable as exc:
             # Only a dead letter that could not be written gets here (its stream lives on the
             # store Redis). Acknowledging now would leave the request in a log line alone:
-            # retry it like any request whose store is down.
-            outcome = self._retry_or_dead_letter(exc, args, kwargs)
+            # retry it like any request whose store is down, and once the retries are spent
+            # give it back to the broker; never acknowledge it.
+            if runtime.current().retry.exhausted(self.request.retries or 0):
+                self._requeue(f"its dead letter could not be written: {exc}", args, kwargs)
+            outcome = self._retry(exc, args, kwargs)
             _observe(self, outcome, None, args, kwargs)
             return outcome
 
@@ -234,7 +243,7 @@ class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
         except InvalidInput as exc:
             outcome = _dead_letter(self, Reason.INVALID_INPUT, str(exc), args, kwargs)
         except StoreUnavailable as exc:
-            outcome = self._retry_or_dead_letter(exc, args, kwargs)
+            outcome = self._ride_out(exc, args, kwargs)
         except Exception as exc:  # a bug or an unreadable stored value: keep the request
             logger.exception("%s [%s] failed unexpectedly", self.name, self.request.id)
             reason = f"{type(exc).__name__}: {exc}"
@@ -242,14 +251,45 @@ class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
         _observe(self, outcome, started, args, kwargs)
         return outcome
 
-    def _retry_or_dead_letter(
+    def _ride_out(
         self, exc: StoreUnavailable, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Outcome:
+        """Retry; with the retries spent, requeue while the store refuses writes."""
+        rt = runtime.current()
+        retries = self.request.retries or 0
+        if not rt.retry.exhausted(retries):
+            return self._retry(exc, args, kwargs)
+        refusal = rt.store.write_refusal()
+        if refusal is not None:
+            self._requeue(f"the store refuses writes: {refusal}", args, kwargs)
+        try:
+            # The store accepts writes again (it came back since the last failure): one last
+            # attempt, so that the end of an outage never dead-letters a valid request.
+            return self.run(*args, **kwargs)  # type: ignore[no-any-return]
+        except Exception as again:  # dead-lettered below, whatever it is: never dropped
+            down = isinstance(again, StoreUnavailable)
+            kind = Reason.RETRIES_EXHAUSTED if down else Reason.FAILED
+            reason = (
+                f"failed {retries + 2} times while the store accepts other writes: "
+                f"{type(again).__name__}: {again}"
+            )
+            return _dead_letter(self, kind, reason, args, kwargs)
+
+    def _requeue(self, why: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> NoReturn:
+        """Give the message back to the broker's queue unacknowledged (raises ``Reject``)."""
+        logger.warning(
+            "%s [%s]: retries spent and %s; back to the queue", self.name, self.request.id, why
+        )
+        _observe(self, {"outcome": "requeued"}, None, args, kwargs)
+        # Celery's worker rejects the message with requeue: kombu puts it back in the queue.
+        raise Reject(why, requeue=True)
+
+    def _retry(
+        self, exc: StoreUnavailable, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Outcome:
+        """Schedule the next attempt with backoff (raises Celery's ``Retry``)."""
         policy = runtime.current().retry
         retries = self.request.retries or 0
-        if policy.exhausted(retries):
-            reason = f"store unavailable after {retries} retries: {exc}"
-            return _dead_letter(self, Reason.RETRIES_EXHAUSTED, reason, args, kwargs)
         countdown = policy.countdown(retries)
         logger.warning(
             "%s [%s]: %s; retry %d/%d in %.1fs",

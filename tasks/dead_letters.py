@@ -48,7 +48,7 @@ class Reason(enum.StrEnum):
     OVERSIZE = "oversize"  # body larger than max_message_bytes
     UNKNOWN_TASK = "unknown_task"  # no task of that name is registered
     UNDECODABLE = "undecodable"  # not JSON, a refused serializer (pickle), or no task header
-    RETRIES_EXHAUSTED = "retries_exhausted"  # the store stayed unavailable
+    RETRIES_EXHAUSTED = "retries_exhausted"  # kept failing while the store accepted writes
     FAILED = "failed"  # an unexpected error (a bug, or corrupt stored data)
 
 

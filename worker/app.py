@@ -21,7 +21,7 @@ from checkpointq.tasks.dead_letters import DeadLetters
 from checkpointq.tasks.policy import RetryPolicy
 from checkpointq.tasks.producer.client import PUBLISH_RETRY_POLICY
 from checkpointq.tasks.runtime import Runtime
-from checkpointq.worker import beat, coalesce, logs
+from checkpointq.worker import backpressure, beat, coalesce, logs
 from checkpointq.worker import signals as _signals  # noqa: F401  # importing it connects the hooks
 from checkpointq.worker.ops import health, metrics
 from checkpointq.worker.settings import Settings
@@ -163,6 +163,8 @@ def create_app(settings: Settings | None = None) -> Celery:
     # endpoint, heartbeats for `checkpointq health` and `top`, the log format.
     metrics.install(app, settings)
     health.install(app, settings)
+    # While the store refuses writes the worker takes no messages (worker/backpressure.py).
+    backpressure.install(app, settings)
     logs.install(settings.log_format)
     logger.debug("celery app for broker %s", redact_url(settings.broker_url or ""))
     return app

@@ -6,7 +6,8 @@ task header (``on_unknown_message``), refused content types such as pickle
 We override those four hooks: record a dead letter with the raw body, then discard the
 message as Celery would (and send its ``task_rejected``/``task_unknown`` signals). If the
 dead letter cannot be written (store Redis down) the message is left unacknowledged: Redis
-redelivers it after the visibility timeout, so it is not lost.
+redelivers it after the visibility timeout, so it is not lost; and the worker stops taking
+messages until the store accepts writes again (``worker/backpressure.py``).
 
 Oversize bodies are refused here too, before anything decodes them.
 """
@@ -26,7 +27,7 @@ from celery.worker.consumer import Consumer
 from checkpointq.store.errors import StoreUnavailable
 from checkpointq.tasks import messages, observers, runtime
 from checkpointq.tasks.dead_letters import Reason
-from checkpointq.worker import transport
+from checkpointq.worker import backpressure, transport
 
 logger = logging.getLogger(__name__)
 
@@ -191,9 +192,10 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no 
                     "content-encoding": message.content_encoding,
                 },
             )
-        except StoreUnavailable:
+        except StoreUnavailable as exc:
             logger.error("left %s [%s] unacknowledged for redelivery", task, task_id)
             _leave_for_redelivery(message)
+            backpressure.trip(str(exc))
             return False
         observers.notify(
             observers.Observation(

@@ -89,6 +89,10 @@ class Settings(BaseSettings):
     retry_backoff_seconds: float = Field(default=1.0, gt=0)
     #: Ceiling of one retry delay, seconds. Kept well below ``visibility_timeout``.
     retry_backoff_max_seconds: float = Field(default=60.0, gt=0)
+    #: Seconds between a worker's write probes of the store. While the store refuses writes
+    #: (down, out of memory, read-only) the worker takes no messages, so they wait in the
+    #: broker however long the outage lasts; the first accepted probe resumes consuming.
+    store_probe_seconds: float = Field(default=1.0, gt=0)
     #: Worker pool and processes (or threads) per worker.
     pool: Literal["prefork", "solo", "threads"] = "prefork"
     concurrency: int = Field(default=2, ge=1)

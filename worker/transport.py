@@ -29,6 +29,7 @@ from kombu.utils.json import loads as kombu_loads
 from checkpointq.store.errors import StoreUnavailable
 from checkpointq.tasks import observers, runtime
 from checkpointq.tasks.dead_letters import Reason
+from checkpointq.worker import backpressure
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,8 @@ def _text(value: bytes | str) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
-def _refuse(item: bytes, queue: str, exc: BaseException) -> None:
-    """Record an undecodable item; if even that fails, keep it in the log line."""
+def _refuse(channel: Any, key: bytes | str, item: bytes, queue: str, exc: BaseException) -> None:
+    """Record an undecodable item; if the store is down, put the item back in the queue."""
     reason = f"queue item is not a Celery message ({type(exc).__name__}: {exc})"
     try:
         runtime.current().dead_letters.add(
@@ -53,9 +54,14 @@ def _refuse(item: bytes, queue: str, exc: BaseException) -> None:
             raw=item,
             headers={"queue": queue},
         )
-    except StoreUnavailable:
-        # DeadLetters.add has logged the whole item at ERROR: the log keeps it.
-        logger.error("could not dead-letter a malformed item from %s; it is in the log", queue)
+    except StoreUnavailable as down:
+        # Popped, never in the ``unacked`` hash: back at the far end of the list it goes, and
+        # the worker stops consuming until the store takes writes (it comes round again then).
+        # Should the broker refuse that too, DeadLetters.add has logged the whole item.
+        logger.error("could not dead-letter a malformed item from %s; put it back", queue)
+        with channel.conn_or_acquire() as client:  # as kombu's own _put: not the BRPOP one
+            client.lpush(key, item)
+        backpressure.trip(str(down))
         return
     observers.notify(
         observers.Observation(
@@ -75,8 +81,8 @@ def _guarded_brpop_read(self: Any, **options: Any) -> bool:
             raise
         if not dest__item:
             raise Empty()
-        dest, item = dest__item
-        dest = _text(dest).rsplit(self.sep, 1)[0]
+        key, item = dest__item
+        dest = _text(key).rsplit(self.sep, 1)[0]
         self._queue_cycle.rotate(dest)
         try:
             payload: Any = kombu_loads(_text(item))  # type: ignore[no-untyped-call]
@@ -84,7 +90,7 @@ def _guarded_brpop_read(self: Any, **options: Any) -> bool:
             # so that whatever would raise there raises here, where it can be refused.
             self.Message(payload, channel=self)
         except Exception as exc:  # any decoding failure means "not a Celery message"
-            _refuse(item, dest, exc)
+            _refuse(self, key, item, dest, exc)
             return True
         self.connection._deliver(payload, dest)
         return True

@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections import Counter
@@ -66,10 +67,44 @@ class Scale:
     store_outage: float
     #: Seconds the broker stays down while a producer publishes.
     broker_outage: float
+    #: Seconds of the long store faults (down, out of memory): longer than a request's whole
+    #: retry budget under ``retry_settings``.
+    long_fault: float = 120.0
+    #: Retry settings of the long store faults: production's in the long mode; scaled down
+    #: tenfold (and the visibility timeout with them) in the quick mode.
+    retry_settings: tuple[tuple[str, object], ...] = ()
 
 
-QUICK = Scale("quick", sessions=150, requests=1500, store_outage=4.0, broker_outage=3.0)
-LONG = Scale("long", sessions=1000, requests=10000, store_outage=10.0, broker_outage=5.0)
+#: Production's retry and delivery defaults (worker/settings.py): the budget is at most
+#: 1+2+4+8+16+32+60+60 s (full jitter: half that on average).
+PRODUCTION_RETRIES: tuple[tuple[str, object], ...] = (
+    ("retry_backoff_seconds", 1.0),
+    ("retry_backoff_max_seconds", 60.0),
+    ("visibility_timeout", 300),
+)
+QUICK = Scale(
+    "quick",
+    sessions=150,
+    requests=1500,
+    store_outage=4.0,
+    broker_outage=3.0,
+    long_fault=12.0,
+    # budget at most 0.1+0.2+0.4+0.8+1+1+1+1 = 5.5 s with the default 8 retries
+    retry_settings=(
+        ("retry_backoff_seconds", 0.1),
+        ("retry_backoff_max_seconds", 1.0),
+        ("visibility_timeout", 30),
+    ),
+)
+LONG = Scale(
+    "long",
+    sessions=1000,
+    requests=10000,
+    store_outage=10.0,
+    broker_outage=5.0,
+    long_fault=120.0,
+    retry_settings=PRODUCTION_RETRIES,
+)
 
 
 def current_scale() -> Scale:
@@ -299,6 +334,11 @@ class Row:
     duplicates_applied: int
     result: str
     notes: str = ""
+    #: Worker RSS (main process and pool), MB: before the load, and the peak during it.
+    rss_idle_mb: float | None = None
+    rss_peak_mb: float | None = None
+    #: Seconds from the end of the fault until the store showed the expected state.
+    converged_s: float | None = None
 
 
 def record(row: Row, scale: Scale | None = None) -> Path:
@@ -585,6 +625,70 @@ class Deployment:
             client.close()
 
 
+class SteadyTraffic:
+    """Pushes a load at a steady rate from a thread, as producers keep doing in an outage."""
+
+    def __init__(self, client: redis.Redis, load: Sequence[Request], per_second: float) -> None:
+        self.client = client
+        self.load = load
+        self.per_second = per_second
+        self.pushed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> SteadyTraffic:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        batch = max(1, int(self.per_second / 10))
+        while self.pushed < len(self.load) and not self._stop.is_set():
+            due = started + self.pushed / self.per_second
+            # pacing a producer, not synchronising with the system under test
+            self._stop.wait(max(0.0, due - time.monotonic()))
+            chunk = self.load[self.pushed : self.pushed + batch]
+            push(self.client, (r.envelope() for r in chunk))
+            self.pushed += len(chunk)
+
+    def finish(self, timeout: float = 600.0) -> None:
+        """Wait until every request was pushed."""
+        self._thread.join(timeout=timeout)
+        assert self.pushed == len(self.load), f"pushed {self.pushed} of {len(self.load)}"
+
+
+class RssSampler:
+    """Samples a worker's resident memory (main process and pool) from a thread."""
+
+    def __init__(self, pid: int, every: float = 0.5) -> None:
+        self.pid = pid
+        self.every = every
+        self.idle = rss_bytes(pid)
+        self.peak = self.idle
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.peak = max(self.peak, rss_bytes(self.pid))
+
+    @property
+    def idle_mb(self) -> float:
+        return round(self.idle / 2**20, 1)
+
+    @property
+    def peak_mb(self) -> float:
+        return round(self.peak / 2**20, 1)
+
+
 def hold(seconds: float, *, while_: Callable[[], object] | None = None) -> None:
     """Keep a fault in place for ``seconds`` (fault injection, not synchronisation),
     calling ``while_`` repeatedly meanwhile if given."""
@@ -607,6 +711,8 @@ def conclude(
     expect_dead: int = 0,
     passed: bool = True,
     loss_measured: bool = False,
+    rss: RssSampler | None = None,
+    converged_s: float | None = None,
 ) -> Row:
     """Count dead letters and duplicate applications, record the row and return it.
 
@@ -629,6 +735,9 @@ def conclude(
         duplicates_applied(deployment.logs()),
         ("pass (loss measured)" if loss_measured else "pass") if ok else "FAIL",
         notes,
+        rss.idle_mb if rss else None,
+        rss.peak_mb if rss else None,
+        None if converged_s is None else round(converged_s, 1),
     )
     record(row)
     return row

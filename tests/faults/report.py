@@ -33,8 +33,20 @@ COLUMNS = [
     ("regressed", "Regressed"),
     ("dead_lettered", "Dead-lettered"),
     ("duplicates_applied", "Duplicates applied"),
+    ("rss", "Worker RSS idle → peak (MB)"),
+    ("converged_s", "Converged after the fault (s)"),
     ("result", "Result"),
 ]
+
+
+def _cell(row: dict[str, object], key: str) -> str:
+    """A row's value for a column; "-" where the scenario did not measure it."""
+    if key == "rss":
+        idle, peak = row.get("rss_idle_mb"), row.get("rss_peak_mb")
+        return "-" if peak is None else f"{idle} → {peak}"
+    value = row.get(key)
+    return "-" if value is None else str(value)
+
 
 HEADER = """# Reliability: what the fault suite proves
 
@@ -55,7 +67,11 @@ highest `seq` wins; a deleted session stays deleted):
 * **dead-lettered**: entries in the dead-letter stream (valid loads must produce none);
 * **duplicates applied**: extra applications of a request already applied, counted from the
   workers' per-request DEBUG lines. Harmless by design (writes are fenced by `seq`): they
-  show where the broker redelivered.
+  show where the broker redelivered;
+* **worker RSS**: resident memory of the worker (main process and pool) before the load and
+  its peak during the scenario, sampled every 0.5 s (scenarios that measure it);
+* **converged after the fault**: seconds from the end of the fault until the queue was empty
+  and the store showed the expected state.
 
 """
 
@@ -72,7 +88,7 @@ def render(mode: str) -> str:
     lines.append("|" + "---|" * len(COLUMNS))
     for row in rows:
         cells = [f"{row['scenario']}: {row['title']}"]
-        cells += [str(row[key]) for key, _ in COLUMNS[1:]]
+        cells += [_cell(row, key) for key, _ in COLUMNS[1:]]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     notes = [f"* **{row['scenario']}**: {row['notes']}" for row in rows if row.get("notes")]
     if notes:

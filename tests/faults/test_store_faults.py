@@ -3,42 +3,49 @@
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Callable
+
+import pytest
 
 from tests.faults.harness import (
+    QUEUE,
     Deployment,
+    RssSampler,
     Scale,
+    SteadyTraffic,
     conclude,
     describe,
     envelope,
     generate_load,
+    hold,
     push,
 )
 from tests.support.servers import wait_until
 
-#: What the consumer logs when a dead letter cannot be written and the message stays queued.
-LEFT_FOR_REDELIVERY = "unacknowledged for redelivery"
+#: What a worker logs when it stops taking messages, and when it takes them again.
+PAUSED = "store refusing writes"
+RESUMED = "taking messages from"
 
 
-def test_refused_messages_during_a_store_outage_leave_the_worker_consuming(
+def test_refused_messages_during_a_store_outage_wait_in_the_broker(
     deployment: Deployment, scale: Scale
 ) -> None:
-    # Given a worker whose every prefetch slot (concurrency 2) is about to hold a message
-    # that it must refuse (an unknown task) while the store, where dead letters go, is down
+    # Given a worker that has noticed its store is down
     worker = deployment.worker()
     deployment.store_server.stop()
+    wait_until(lambda: PAUSED in worker.log(), timeout=30, message="the worker to pause")
+    # When messages it must refuse (unknown task; their dead letters go to the store) arrive
     refused = [envelope("checkpoint.nope", [i], {}) for i in range(2)]
     push(deployment.broker_client(), refused)
-    wait_until(
-        lambda: worker.log().count(LEFT_FOR_REDELIVERY) >= len(refused),
-        timeout=60,
-        message="both refused messages to meet the store outage",
-    )
-    # When the store comes back and valid requests follow
+    hold(3.0)  # the outage goes on for a few probe intervals
+    # Then they wait in the broker, untouched ...
+    waiting = int(deployment.broker_client().llen(QUEUE))
+    # ... and once the store is back and valid requests follow, the same worker applies them
+    # all and dead-letters the refused ones
     deployment.store_server.start()
     load = generate_load(scale.sessions, scale.requests, random.Random(11))
     push(deployment.broker_client(), (r.envelope() for r in load))
-    # Then the same worker applies them all, and the refused messages, redelivered after the
-    # visibility timeout, are dead-lettered instead of lost
     verdict = deployment.settle(load, timeout=240)
     deployment.wait_dead_letters(len(refused))
     row = conclude(
@@ -47,11 +54,85 @@ def test_refused_messages_during_a_store_outage_leave_the_worker_consuming(
         scenario="11-refused-during-outage",
         title="refused messages arrive while the store is down",
         load=describe(scale),
-        faults="store Redis down while 2 unknown-task messages fill the prefetch window",
-        notes="slots freed; the 2 refused messages come back after the visibility timeout",
+        faults="store Redis down; 2 unknown-task messages pushed during the outage",
+        notes=f"{waiting} of 2 waited in the broker while the worker was paused; "
+        "dead-lettered once the store was back",
         expect_dead=len(refused),
-        passed=worker.running(),
+        passed=worker.running() and waiting == len(refused),
     )
+    assert waiting == len(refused)
     assert worker.running()
     assert verdict.exact, verdict
     assert row.dead_lettered == len(refused)
+
+
+def _out_of_memory(deployment: Deployment) -> Callable[[], object]:
+    """Cap the store's memory below what it uses, eviction off: every write is refused.
+    Returns what the operator does to end it (raise the limit)."""
+    client = deployment.store_client()
+    used = int(client.info("memory")["used_memory"])
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", max(1024 * 1024, used // 2))
+    return lambda: client.config_set("maxmemory", 0)
+
+
+def _down(deployment: Deployment) -> Callable[[], object]:
+    deployment.store_server.stop()
+    return deployment.store_server.start
+
+
+@pytest.mark.parametrize(
+    ("scenario", "fault", "retry_max"),
+    [
+        ("13a-store-down-long", "down", 8),
+        ("13b-store-down-long-retry-max-3", "down", 3),
+        ("13c-store-out-of-memory", "oom", 8),
+    ],
+)
+def test_a_store_fault_longer_than_the_retry_budget_loses_and_dead_letters_nothing(
+    deployment: Deployment, scale: Scale, scenario: str, fault: str, retry_max: int
+) -> None:
+    # Given a worker with the retry settings of this scale (production's in the long mode),
+    # and producers pushing steadily
+    deployment.settings.update(dict(scale.retry_settings), retry_max=retry_max)
+    worker = deployment.worker()
+    load = generate_load(scale.sessions, scale.requests, random.Random(13))
+    lead = 5.0
+    traffic = SteadyTraffic(deployment.broker_client(), load, len(load) / (lead + scale.long_fault))
+    with RssSampler(worker.pid) as rss:
+        traffic.start()
+        hold(lead)
+        # When the store fails (down, or out of memory until an operator raises the limit)
+        # for longer than a request's whole retry budget, while the traffic goes on
+        end_fault = _down(deployment) if fault == "down" else _out_of_memory(deployment)
+        wait_until(lambda: PAUSED in worker.log(), timeout=30, message="the worker to pause")
+        hold(scale.long_fault - lead)
+        traffic.finish()
+        end_fault()
+        ended = time.monotonic()
+        # Then the worker resumes by itself and every request applies: nothing lost, none
+        # dead-lettered
+        verdict = deployment.settle(load, timeout=600)
+        converged = time.monotonic() - ended
+    log = worker.log()
+    requeued = log.count("back to the queue")
+    what = "down" if fault == "down" else "out of memory (maxmemory, noeviction)"
+    row = conclude(
+        deployment,
+        verdict,
+        scenario=scenario,
+        title=f"store {what} {scale.long_fault:.0f} s under steady traffic, "
+        f"CHECKPOINTQ_RETRY_MAX={retry_max}",
+        load=describe(scale),
+        faults=f"store {what} {scale.long_fault:.0f} s while requests keep arriving",
+        notes=f"worker paused {log.count(PAUSED)}x while the store refused writes; "
+        f"{log.count('retry ')} retries, {requeued} requeued with retries spent; "
+        f"retries {dict(scale.retry_settings)}",
+        passed=worker.running(),
+        rss=rss,
+        converged_s=converged,
+    )
+    assert worker.running()
+    assert RESUMED in log
+    assert verdict.exact, verdict
+    assert row.dead_lettered == 0

@@ -10,6 +10,7 @@ from typing import Any
 import fakeredis
 import pytest
 from celery import Celery
+from celery.exceptions import Reject
 
 from checkpointq.store.base import Fence, SaveResult
 from checkpointq.store.errors import StoreUnavailable
@@ -121,15 +122,41 @@ def test_a_seq_far_ahead_of_the_worker_clock_is_dead_lettered_with_the_reason(
     assert loaded is not None and loaded.version == 2
 
 
-def test_unavailable_store_is_retried_then_dead_lettered(
+def test_a_request_failing_while_the_store_takes_writes_is_dead_lettered_after_retries(
     app: Celery, redis: fakeredis.FakeRedis
 ) -> None:
+    # Given a store that accepts writes (its probe) but fails this request every time
     rt = install(DownStore(), redis, retries=2)
     wire = checkpoint_to_wire(make_checkpoint("down"))
+    # When the request has spent its retries (and the one last attempt after the probe)
     app.tasks[messages.SAVE].apply(args=[wire], kwargs={"seq": 1})
+    # Then it is dead-lettered, saying the store took other writes meanwhile
     (letter,) = rt.dead_letters.list().entries
     assert letter.kind == "retries_exhausted" and letter.retries == 2
+    assert "while the store accepts other writes" in letter.reason
     assert letter.args == [wire] and letter.kwargs == {"seq": 1}
+
+
+class RefusingStore(DownStore):
+    """A store that refuses every write, its probe included (down, out of memory)."""
+
+    def write_refusal(self) -> str | None:
+        return "out of memory (maxmemory reached, eviction off): OOM command not allowed"
+
+
+def test_retries_spent_while_the_store_refuses_writes_requeue_the_message(
+    app: Celery, redis: fakeredis.FakeRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a store that refuses every write
+    rt = install(RefusingStore(), redis, retries=2)
+    wire = checkpoint_to_wire(make_checkpoint("oom"))
+    # When a save spends its retries
+    result = app.tasks[messages.SAVE].apply(args=[wire], kwargs={"seq": 1})
+    # Then the message is rejected with requeue (back to the broker, never acknowledged),
+    # and nothing is dead-lettered: the outage is no fault of the request
+    assert isinstance(result.result, Reject) and result.result.requeue
+    assert rt.dead_letters.count() == 0
+    assert "the store refuses writes: out of memory" in caplog.text
 
 
 class DownStream(fakeredis.FakeRedis):
@@ -139,17 +166,17 @@ class DownStream(fakeredis.FakeRedis):
         raise StoreUnavailable("record dead letter: Redis unavailable (ConnectionError)")
 
 
-def test_bad_request_is_retried_while_its_dead_letter_cannot_be_written(
+def test_bad_request_whose_dead_letter_cannot_be_written_is_never_acknowledged(
     app: Celery, caplog: pytest.LogCaptureFixture
 ) -> None:
     down = DownStream()
     install(InMemoryStore(), down, retries=2)
     result = app.tasks[messages.DELETE].apply(args=["ok"], kwargs={"seq": "bad"})
-    # Then the request is not acknowledged as done: it ends failed after its retries ...
-    assert result.failed()
-    assert isinstance(result.result, StoreUnavailable)
-    # ... having been retried, and its payload is in the ERROR log as a last resort.
+    # Then the request is not acknowledged: after its retries it goes back to the queue ...
+    assert isinstance(result.result, Reject) and result.result.requeue
+    # ... having been retried, and its payload is in the ERROR log as well.
     assert "retry 1/2" in caplog.text and "retry 2/2" in caplog.text
+    assert "its dead letter could not be written" in caplog.text
     assert "request kept in this log line only" in caplog.text
     assert '\\"seq\\":\\"bad\\"' in caplog.text
 

@@ -197,12 +197,13 @@ def test_saves_sent_while_the_store_is_down_are_applied_once_it_is_back(
         try:
             # When saves arrive meanwhile
             handles = [client.save(make_checkpoint(f"outage-{i}", version=i)) for i in range(5)]
-            # and the worker has been retrying them for a while
+            # and the worker has retried them, then stopped taking messages
             wait_until(
-                lambda: live.worker.log()[mark:].count("retry") >= 10,
+                lambda: "store refusing writes" in live.worker.log()[mark:],
                 timeout=20,
-                message="the worker to retry",
+                message="the worker to pause",
             )
+            assert "retry" in live.worker.log()[mark:]
         finally:
             # Then, once the store is back
             live.store.start()

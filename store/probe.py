@@ -1,0 +1,56 @@
+"""Does the store accept writes? One write answers it, and says why not in plain words.
+
+A ``PING`` answers while Redis refuses every write: out of memory under ``noeviction``
+(``-OOM command not allowed``), a replica after a failover (``-READONLY``), a master that
+lost its replicas (``-NOREPLICAS``), a full disk (``-MISCONF``). The worker pauses consuming
+while the store refuses writes (``worker/backpressure.py``), a task whose retries run out
+asks before it gives up on the store (``tasks/checkpoints.py``), and ``checkpointq health``
+reports the reason; all three ask here, with a real write to a key of their own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis import exceptions as redis_errors
+
+#: The probe key lives this long: it is never read, only written.
+PROBE_TTL_MS = 60_000
+
+#: Redis error prefixes that mean "this server refuses writes now", in plain words.
+_REFUSALS = {
+    "OOM": "out of memory (maxmemory reached, eviction off)",
+    "READONLY": "read-only (a replica, not the master)",
+    "NOREPLICAS": "not enough replicas (min-replicas-to-write)",
+    "MISCONF": "cannot persist to disk (stop-writes-on-bgsave-error)",
+    "BUSY": "busy running a script",
+    "LOADING": "loading its dataset",
+    "MASTERDOWN": "its master is down",
+    "CLUSTERDOWN": "the cluster is down",
+}
+
+
+def describe(exc: BaseException) -> str:
+    """Why a store write failed, in one line an operator can act on."""
+    text = str(exc).strip()
+    code = text.split(" ", 1)[0].upper()
+    if code in _REFUSALS:
+        return f"{_REFUSALS[code]}: {text}"
+    if isinstance(exc, redis_errors.TimeoutError):
+        return f"no answer in time ({text or type(exc).__name__})"
+    if isinstance(exc, redis_errors.ConnectionError):
+        return f"unreachable ({type(exc).__name__}: {text})"
+    return f"{type(exc).__name__}: {text}"
+
+
+def write_refusal(client: Any, key: str) -> str | None:
+    """None when ``client``'s Redis accepted a write to ``key``; else why it did not.
+
+    ``client`` is a ``redis.Redis`` or a ``RedisCluster``. Never raises for Redis errors:
+    refusing is the answer.
+    """
+    try:
+        client.set(key, b"1", px=PROBE_TTL_MS)
+    except (redis_errors.RedisError, redis_errors.RedisClusterException) as exc:
+        return describe(exc)
+    return None

@@ -1,0 +1,180 @@
+"""Backpressure: while the store refuses writes, the worker takes no messages.
+
+A request may leave the broker only once it is applied, superseded, or recorded where an
+operator can replay it. During a store outage none of the three can happen, so the broker
+is the one safe place for requests. Celery has no "pause" (celery/celery#1452); what it
+offers is what its ``cancel_consumer`` and ``add_consumer`` remote commands do: cancel the
+task consumer's queues and add them back. kombu's Redis channel defers a cancel that
+arrives during a read until the read is done (celery/celery#1773), so no message slips in
+after it.
+
+``StoreGate`` does exactly that from the consumer's event loop (a consumer bootstep on its
+timer, like the heartbeat): every ``store_probe_seconds`` it writes a probe key
+(``checkpointq.store.probe``). When the write is refused (connection refused or timed out,
+``-OOM``, ``-READONLY``, ...) it cancels the task queues; when a write is accepted again it
+adds them back. Meanwhile:
+
+* messages still queued stay in the broker, however long the outage lasts;
+* messages the worker already holds run, fail and are retried: each retry is a new message
+  published to the queue (where it waits too), and a message whose retries run out while
+  the store refuses writes is rejected with requeue (``tasks/checkpoints.py``), never
+  acknowledged;
+* a refusal in this process that finds the store down (a dead letter that could not be
+  written, ``worker/consumer.py`` and ``worker/transport.py``) trips the gate at once with
+  ``trip()``, without waiting for the next probe.
+
+A broker reconnection restarts the consumer's steps: the new gate starts open and probes at
+once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from celery import Celery, bootsteps
+from redis import exceptions as redis_errors
+
+from checkpointq.store import probe
+from checkpointq.worker import connections
+from checkpointq.worker.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a probe waits for the store to connect and answer: it runs in the event loop.
+PROBE_TIMEOUT = 1.0
+
+Probe = Callable[[], "str | None"]
+
+
+class StoreGate:
+    """Cancels the task consumer's queues while the store refuses writes; adds them back."""
+
+    def __init__(self, consumer: Any, probe_write: Probe) -> None:
+        self.consumer = consumer
+        self.probe_write = probe_write
+        #: Why the store refuses writes, while paused; None while consuming.
+        self.refusal: str | None = None
+        self._paused_at = 0.0
+        self._queues: list[Any] = []
+
+    @property
+    def paused(self) -> bool:
+        return self.refusal is not None
+
+    def tick(self) -> None:
+        """Probe the store, then pause or resume accordingly (the consumer's timer)."""
+        refusal = self.probe_write()
+        if refusal is None:
+            self._resume()
+        else:
+            self._pause(refusal)
+
+    def trip(self, why: str) -> None:
+        """Pause now: this process just saw the store refuse a write."""
+        self._pause(why)
+
+    def _pause(self, refusal: str) -> None:
+        if self.refusal is None:
+            task_consumer = self.consumer.task_consumer
+            self._queues = list(task_consumer.queues)
+            for queue in self._queues:
+                task_consumer.cancel_by_queue(queue.name)
+            self._paused_at = time.monotonic()
+            names = ", ".join(q.name for q in self._queues)
+            logger.warning(
+                "store refusing writes (%s): stopped taking messages from %s until it "
+                "accepts one (probed every few seconds)",
+                refusal,
+                names,
+            )
+        self.refusal = refusal
+
+    def _resume(self) -> None:
+        if self.refusal is None:
+            return
+        task_consumer = self.consumer.task_consumer
+        for queue in self._queues:
+            if not task_consumer.consuming_from(queue.name):
+                task_consumer.add_queue(queue)
+        task_consumer.consume()
+        paused = time.monotonic() - self._paused_at
+        logger.warning(
+            "store accepts writes again after %.1fs: taking messages from %s again",
+            paused,
+            ", ".join(q.name for q in self._queues),
+        )
+        self.refusal, self._queues = None, []
+
+
+class _StoreProbe:
+    """The worker's own write probe: a client with a short timeout, made on first use."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.key = connections.key_space(settings).write_probe()
+        self.client: Any = None
+
+    def __call__(self) -> str | None:
+        if self.client is None:
+            try:  # a cluster client connects as it is built
+                self.client = connections.store_client(self.settings, timeout=PROBE_TIMEOUT)
+            except (redis_errors.RedisError, redis_errors.RedisClusterException) as exc:
+                return probe.describe(exc)
+        return probe.write_refusal(self.client, self.key)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+
+#: The gate of this process's consumer, for ``trip()`` (one consumer per worker process).
+_current: StoreGate | None = None
+
+
+def trip(why: str) -> None:
+    """Tell this process's gate, if any, that the store just refused a write."""
+    if _current is not None:
+        _current.trip(why)
+
+
+def current() -> StoreGate | None:
+    return _current
+
+
+def install(app: Celery, settings: Settings) -> None:
+    """Make ``app``'s workers pause consuming while the store refuses writes."""
+
+    class StoreGateStep(bootsteps.StartStopStep):  # type: ignore[misc]  # no celery hints
+        """The gate on the consumer's timer, from when the task consumer exists."""
+
+        requires = ("celery.worker.consumer.tasks:Tasks",)
+
+        def __init__(self, consumer: Any, **kwargs: Any) -> None:
+            self._probe: _StoreProbe | None = None
+            self._tref: Any = None
+
+        def start(self, consumer: Any) -> None:
+            global _current
+            self._probe = _StoreProbe(connections.resolve(settings))
+            gate = StoreGate(consumer, self._probe)
+            _current = gate
+            gate.tick()
+            self._tref = consumer.timer.call_repeatedly(settings.store_probe_seconds, gate.tick)
+
+        def stop(self, consumer: Any) -> None:
+            global _current
+            if self._tref is not None:
+                consumer.timer.cancel(self._tref)
+                self._tref = None
+            _current = None
+            if self._probe is not None:
+                self._probe.close()
+                self._probe = None
+
+        shutdown = stop
+
+    app.steps["consumer"].add(StoreGateStep)
