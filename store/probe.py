@@ -17,25 +17,34 @@ from redis import exceptions as redis_errors
 #: The probe key lives this long: it is never read, only written.
 PROBE_TTL_MS = 60_000
 
-#: Redis error prefixes that mean "this server refuses writes now", in plain words.
-_REFUSALS = {
+#: redis-py's classes for "this server refuses writes now", in plain words.
+_REFUSAL_CLASSES: tuple[tuple[type[Exception], str], ...] = (
+    (redis_errors.OutOfMemoryError, "out of memory (maxmemory reached, eviction off)"),
+    (redis_errors.ReadOnlyError, "read-only (a replica, not the master)"),
+    (redis_errors.BusyLoadingError, "loading its dataset"),
+    (redis_errors.MasterDownError, "its master is down"),
+    (redis_errors.ClusterDownError, "the cluster is down"),
+)
+
+#: Error codes redis-py has no class for (or that arrive inside a script's error text).
+_REFUSAL_CODES = {
     "OOM": "out of memory (maxmemory reached, eviction off)",
     "READONLY": "read-only (a replica, not the master)",
     "NOREPLICAS": "not enough replicas (min-replicas-to-write)",
     "MISCONF": "cannot persist to disk (stop-writes-on-bgsave-error)",
     "BUSY": "busy running a script",
-    "LOADING": "loading its dataset",
-    "MASTERDOWN": "its master is down",
-    "CLUSTERDOWN": "the cluster is down",
 }
 
 
 def describe(exc: BaseException) -> str:
     """Why a store write failed, in one line an operator can act on."""
     text = str(exc).strip()
+    for cls, words in _REFUSAL_CLASSES:
+        if isinstance(exc, cls):
+            return f"{words}: {text}"
     code = text.split(" ", 1)[0].upper()
-    if code in _REFUSALS:
-        return f"{_REFUSALS[code]}: {text}"
+    if code in _REFUSAL_CODES:
+        return f"{_REFUSAL_CODES[code]}: {text}"
     if isinstance(exc, redis_errors.TimeoutError):
         return f"no answer in time ({text or type(exc).__name__})"
     if isinstance(exc, redis_errors.ConnectionError):

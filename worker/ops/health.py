@@ -22,14 +22,17 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 from celery import Celery, bootsteps
+from celery.worker import state as worker_state
 from redbeat.schedulers import RedBeatConfig, RedBeatSchedulerEntry
 from redis.exceptions import RedisClusterException
 
+from checkpointq.store import probe
 from checkpointq.store.keys import KeySpace
 from checkpointq.store.urls import redact_url, redis_py_url
 from checkpointq.tasks.errors import BrokerUnavailable
@@ -65,20 +68,65 @@ def heartbeat_value(worker: str, started: float, queue: str) -> dict[str, Any]:
     }
 
 
+def finished(totals: dict[str, Any]) -> int:
+    """Requests a worker finished with in any way (retries and requeues included)."""
+    return sum(int(n) for n in totals.get("requests", {}).values())
+
+
+def held_messages(consumer: Any) -> int:
+    """Messages delivered to this worker and not yet acknowledged or given back.
+
+    kombu's virtual (Redis) QoS keeps that count; other transports (RabbitMQ) do not expose
+    it, and then the tasks Celery holds (reserved, ETA retries included) stand in for it.
+    """
+    qos = getattr(getattr(getattr(consumer, "task_consumer", None), "channel", None), "qos", None)
+    delivered = getattr(qos, "_delivered", None)
+    if delivered is not None:
+        return max(0, len(delivered) - len(getattr(qos, "_dirty", ())))
+    return len(worker_state.reserved_requests)
+
+
 class Heartbeat:
     """Writes one worker's heartbeat; ``beat()`` is called on the consumer's timer."""
 
-    def __init__(self, client: Any, keys: KeySpace, worker: str, *, interval: float, queue: str):
+    def __init__(
+        self,
+        client: Any,
+        keys: KeySpace,
+        worker: str,
+        *,
+        interval: float,
+        queue: str,
+        held: Callable[[], int] = lambda: 0,
+        stall_after: float = 120.0,
+    ):
         self.client = client
         self.keys = keys
         self.worker = worker
         self.interval = interval
         self.queue = queue
+        self.held = held
+        self.stall_after = stall_after
         self.started = time.time()
         self._failing = False
+        self._finished = -1
+        self._progress_at = self.started
+
+    def value(self) -> dict[str, Any]:
+        """The heartbeat, with what health needs to tell a stuck worker from an idle one:
+        messages held, requests finished, and when the worker last made progress (finished a
+        request, or held nothing)."""
+        value = heartbeat_value(self.worker, self.started, self.queue)
+        done, held = finished(value["totals"]), self.held()
+        if done != self._finished or held == 0:
+            self._finished, self._progress_at = done, value["time"]
+        value.update(
+            held=held, finished=done, progress_at=self._progress_at, stall_after=self.stall_after
+        )
+        return value
 
     def beat(self) -> None:
-        value = json.dumps(heartbeat_value(self.worker, self.started, self.queue))
+        value = json.dumps(self.value())
         try:
             pipe = self.client.pipeline(transaction=False)
             pipe.set(
@@ -109,6 +157,13 @@ class Heartbeat:
             logger.info("heartbeat not cleared (it expires by itself): %s", exc)
 
 
+def stall_seconds(settings: Settings) -> float:
+    """How long a worker may hold messages without finishing any before health calls it
+    stuck: longer than the longest retry countdown (a held retry waits that long) plus a
+    few heartbeats."""
+    return settings.retry_backoff_max_seconds + 6 * settings.heartbeat_seconds
+
+
 def install(app: Celery, settings: Settings) -> None:
     """Make ``app``'s workers send heartbeats while they consume."""
 
@@ -130,6 +185,8 @@ def install(app: Celery, settings: Settings) -> None:
                 consumer.hostname,
                 interval=settings.heartbeat_seconds,
                 queue=settings.queue,
+                held=lambda: held_messages(consumer),
+                stall_after=stall_seconds(settings),
             )
             heart.beat()
             self._heart = heart
@@ -249,7 +306,9 @@ def _ping_broker(settings: Settings) -> Check:
 
 
 def _ping_store(settings: Settings) -> tuple[Check, Any]:
-    """PING the store (a single Redis or a cluster: ``connections.store_client``)."""
+    """PING the store (a single Redis or a cluster: ``connections.store_client``), then
+    write to it: a store that answers but refuses writes (out of memory, read-only) stops
+    every request, and workers pause meanwhile (``worker/backpressure.py``)."""
     where = redact_url(settings.resolved_store_url or "")
     client = None
     try:
@@ -260,7 +319,10 @@ def _ping_store(settings: Settings) -> tuple[Check, Any]:
         if client is not None:
             client.close()
         return Check("store", False, f"{where} unreachable ({type(exc).__name__})"), None
-    return Check("store", True, f"{where} answers"), client
+    refusal = probe.write_refusal(client, connections.key_space(settings).write_probe())
+    if refusal is not None:
+        return Check("store", False, f"{where} refusing writes: {refusal}"), client
+    return Check("store", True, f"{where} answers and accepts writes"), client
 
 
 def check(settings: Settings, *, local: bool = False, beat: bool = False) -> Report:
@@ -282,7 +344,8 @@ def check(settings: Settings, *, local: bool = False, beat: bool = False) -> Rep
             checks.append(_check_beat(settings, store))
         else:
             keys = connections.key_space(settings)
-            checks.append(_check_workers(live_workers(store, keys), local))
+            refusing = not store_check.ok
+            checks.append(_check_workers(live_workers(store, keys), local, refusing))
     except (redis.RedisError, RedisClusterException) as exc:
         checks.append(Check(name, False, f"store read failed ({type(exc).__name__})"))
     finally:
@@ -291,14 +354,32 @@ def check(settings: Settings, *, local: bool = False, beat: bool = False) -> Rep
     return Report(checks)
 
 
-def _check_workers(beats: list[dict[str, Any]], local: bool) -> Check:
+def _check_workers(beats: list[dict[str, Any]], local: bool, refusing: bool = False) -> Check:
     host = socket.gethostname()
     alive = [b for b in beats if not local or b.get("host") == host]
     where = f" on {host}" if local else ""
     if not alive:
+        if refusing:
+            # Heartbeats are writes too: their absence says nothing about the workers.
+            return Check("worker", False, "not checked: the store refuses writes (heartbeats too)")
         return Check("worker", False, f"no worker heartbeat{where} (is a worker running?)")
+    stuck = [f"{b.get('worker')} {why}" for b in alive if (why := _stalled(b)) is not None]
+    if stuck:
+        return Check("worker", False, "; ".join(stuck))
     names = ", ".join(str(b.get("worker")) for b in alive)
     return Check("worker", True, f"{len(alive)} alive{where} ({names})")
+
+
+def _stalled(beat: dict[str, Any]) -> str | None:
+    """Why a worker whose heartbeat runs is stuck: it holds messages and finishes none."""
+    held = int(beat.get("held") or 0)
+    since = float(beat.get("time") or 0) - float(beat.get("progress_at") or beat.get("time") or 0)
+    if held and since > float(beat.get("stall_after") or 120.0):
+        return (
+            f"holds {held} message(s) but finished none in {since:.0f}s "
+            "(stuck: restart it; its messages go back to the queue)"
+        )
+    return None
 
 
 def _check_beat(settings: Settings, store: Any) -> Check:
