@@ -50,6 +50,7 @@ class Reason(enum.StrEnum):
     UNDECODABLE = "undecodable"  # not JSON, a refused serializer (pickle), or no task header
     RETRIES_EXHAUSTED = "retries_exhausted"  # kept failing while the store accepted writes
     FAILED = "failed"  # an unexpected error (a bug, or corrupt stored data)
+    EXPIRED = "expired"  # its ``expires`` header had passed when the worker received it
 
 
 class Sender(Protocol):

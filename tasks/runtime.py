@@ -30,6 +30,8 @@ class Runtime:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     #: Largest accepted request (JSON arguments), bytes.
     max_message_bytes: int = 8 * 1024 * 1024
+    #: How far (s) a message's ``eta`` may be ahead: the broker's visibility timeout.
+    max_eta_ahead_seconds: float = 300.0
     #: How far (µs) a request's ``seq`` may be ahead of this worker's clock (tasks/seq.py).
     max_seq_ahead_us: int = 300_000_000
     #: Most sessions one sweep expires.

@@ -19,6 +19,7 @@ import json
 import logging
 import re
 import weakref
+from datetime import UTC, datetime
 from typing import Any
 
 from celery import signals
@@ -27,7 +28,7 @@ from celery.worker.consumer import Consumer
 from checkpointq.store.errors import StoreUnavailable
 from checkpointq.tasks import messages, observers, runtime
 from checkpointq.tasks.dead_letters import Reason
-from checkpointq.worker import backpressure, transport
+from checkpointq.worker import backpressure, timing, transport
 
 logger = logging.getLogger(__name__)
 
@@ -172,10 +173,13 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no 
         transport.install()
         super().__init__(*args, **kwargs)
 
-    def _record(self, message: Message, kind: Reason, reason: str) -> bool:
-        """Write the dead letter; False (and the message left unacked) if that failed."""
+    def _record(
+        self, message: Message, kind: Reason, reason: str, *, with_arguments: bool = False
+    ) -> bool:
+        """Write the dead letter (with the call's arguments, decoded, if asked: what makes
+        it replayable); False (and the message left unacked) if that failed."""
         task, task_id = _describe(message)
-        args, kwargs = _arguments(message) if kind is Reason.UNKNOWN_TASK else (None, None)
+        args, kwargs = _arguments(message) if with_arguments else (None, None)
         headers = message.headers if isinstance(message.headers, dict) else {}
         try:
             runtime.current().dead_letters.add(
@@ -210,6 +214,7 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no 
     def create_task_handler(self, *args: Any, **kwargs: Any) -> Any:
         handle = super().create_task_handler(*args, **kwargs)
         limit = runtime.current().max_message_bytes
+        max_eta_ahead = runtime.current().max_eta_ahead_seconds
 
         def on_task_received(message: Message) -> Any:
             _release_slot_when_broker_lost(message, self.connection_errors)
@@ -226,7 +231,13 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no 
             elif (depth := _json_depth(message)) > MAX_NESTING:
                 kind = Reason.INVALID_INPUT
                 reason = f"JSON nested {depth} levels deep; the limit is {MAX_NESTING}"
+            elif timed := timing.refusal(headers, datetime.now(UTC), max_eta_ahead):
+                # A valid call at the wrong time: kept with its arguments, for replay.
+                if self._record(message, *timed, with_arguments=True):
+                    message.ack_log_error(logger, self.connection_errors)
+                return None
             else:
+                timing.forget_expiry(headers)
                 if isinstance(message.headers, dict):
                     # For a dead letter's raw payload (tasks/checkpoints.py). The same bytes
                     # object as the body Celery already sends to the pool process, so the
@@ -252,7 +263,8 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no 
             signals.task_rejected.send(sender=self, message=message, exc=None)
 
     def on_unknown_task(self, body: Any, message: Message, exc: BaseException) -> None:
-        if self._record(message, Reason.UNKNOWN_TASK, f"no task registered as {exc}"):
+        reason = f"no task registered as {exc}"
+        if self._record(message, Reason.UNKNOWN_TASK, reason, with_arguments=True):
             self._discard(message)
             task, task_id = _describe(message)
             signals.task_unknown.send(sender=self, message=message, exc=exc, name=task, id=task_id)

@@ -26,6 +26,8 @@ from tests.support.servers import wait_until
 #: What a worker logs when it stops taking messages, and when it takes them again.
 PAUSED = "store refusing writes"
 RESUMED = "taking messages from"
+#: What a task logs when its retries ran out while the store refused writes.
+REQUEUED = "back to the queue"
 
 
 def test_refused_messages_during_a_store_outage_wait_in_the_broker(
@@ -115,7 +117,7 @@ def test_a_store_fault_longer_than_the_retry_budget_loses_and_dead_letters_nothi
         verdict = deployment.settle(load, timeout=600)
         converged = time.monotonic() - ended
     log = worker.log()
-    requeued = log.count("back to the queue")
+    requeued = log.count(REQUEUED)
     what = "down" if fault == "down" else "out of memory (maxmemory, noeviction)"
     row = conclude(
         deployment,
@@ -134,5 +136,50 @@ def test_a_store_fault_longer_than_the_retry_budget_loses_and_dead_letters_nothi
     )
     assert worker.running()
     assert RESUMED in log
+    assert verdict.exact, verdict
+    assert row.dead_lettered == 0
+
+
+def test_requests_whose_retries_run_out_in_an_outage_go_back_to_the_queue(
+    deployment: Deployment, scale: Scale
+) -> None:
+    # Given a worker that would notice an outage only after an hour (its backpressure all
+    # but off) and gives up on the store after one retry
+    deployment.settings.update(store_probe_seconds=3600, retry_max=1)
+    worker = deployment.worker()
+    load = generate_load(scale.sessions, scale.requests, random.Random(14))
+    with RssSampler(worker.pid) as rss:
+        push(deployment.broker_client(), (r.envelope() for r in load))
+        wait_until(lambda: deployment.backlog() <= len(load) * 0.8, timeout=120, message="20% done")
+        # When the store is down for longer than that retry budget
+        deployment.store_server.stop()
+        wait_until(
+            lambda: worker.log().count(REQUEUED) >= 10,
+            timeout=60,
+            message="requests to run out of retries",
+        )
+        hold(scale.store_outage)
+        deployment.store_server.start()
+        ended = time.monotonic()
+        # Then every request whose retries ran out went back to the queue, none was
+        # acknowledged or dead-lettered, and all of them apply once the store is back
+        verdict = deployment.settle(load, timeout=240)
+        converged = time.monotonic() - ended
+    requeued = worker.log().count(REQUEUED)
+    row = conclude(
+        deployment,
+        verdict,
+        scenario="13d-retries-spent-in-outage",
+        title="retries run out during a store outage (backpressure off)",
+        load=describe(scale),
+        faults=f"store down {scale.store_outage:.0f} s (+ until 10 requeues), "
+        "CHECKPOINTQ_RETRY_MAX=1, store probe every 3600 s",
+        notes=f"{requeued} requeues of requests whose retries ran out while the store refused "
+        "writes (rejected with requeue: back to the queue, never acknowledged)",
+        passed=worker.running() and requeued > 0,
+        rss=rss,
+        converged_s=converged,
+    )
+    assert worker.running()
     assert verdict.exact, verdict
     assert row.dead_lettered == 0
