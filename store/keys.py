@@ -12,6 +12,10 @@ Single Redis (``KeySpace``; prefix ``agentorca-session``, the Go default)::
     agentorca-session.cq:reconcile      hash: where the reconciliation pass stands
     agentorca-session.cq:write-probe    written by workers and health checks: "can we write?"
 
+Deployments may share one Redis under different prefixes: a prefix holds no ``:`` and does
+not end in ``.cq`` (``check_prefix``), which keeps every pair of deployments' keys apart
+whatever their session ids are.
+
 A Go-style ``SCAN agentorca-session:*`` therefore sees exactly the checkpoints: our
 bookkeeping lives under ``<prefix>.cq:``, which that pattern cannot match. Keys are only ever
 concatenated, never used as patterns, so a session id holding ``*``, ``?``, ``[`` or ``:``
@@ -54,6 +58,41 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 DEFAULT_PREFIX = "agentorca-session"
 
 
+#: The suffix that turns a prefix into its bookkeeping prefix (``<prefix>.cq:...``).
+INTERNAL_SUFFIX = ".cq"
+
+
+def check_prefix(prefix: str) -> str:
+    """Refuse a key prefix that could reach into another deployment's keys.
+
+    Every key of a deployment starts with ``<prefix>:`` (data, whatever the session id) or
+    ``<prefix>.cq:`` (bookkeeping). Deployments sharing one Redis stay apart exactly when
+    neither family of one is a prefix of the other's, and that holds for any two different
+    prefixes without ``:`` that do not end in ``.cq``: the first ``:`` of every key then
+    sits right after the prefix (or after its ``.cq``). A prefix ``agentorca-session:b``
+    would let a session id ``b.cq:fence:s0`` of deployment ``agentorca-session`` overwrite
+    that deployment's fence of ``s0``; a prefix ``agentorca-session.cq`` would share its
+    data keys with the bookkeeping of ``agentorca-session``. Both are refused, for every
+    deployment, so no pair can nest whatever the other one chose.
+
+    Raises:
+        ValueError: empty, with glob, hash-tag, whitespace or ``:`` characters, or ending in
+            ``.cq``.
+    """
+    if not prefix or any(c in prefix for c in "*?[]{}\\ \r\n\t"):
+        raise ValueError(
+            f"key prefix {prefix!r} must be non-empty and free of glob, hash-tag and "
+            "whitespace characters"
+        )
+    if ":" in prefix or prefix.endswith(INTERNAL_SUFFIX):
+        raise ValueError(
+            f"key prefix {prefix!r} may not contain ':' nor end in {INTERNAL_SUFFIX!r}: the "
+            "keys of deployments sharing a Redis could then nest into each other's "
+            "(use e.g. 'agentorca-session-b')"
+        )
+    return prefix
+
+
 @dataclass(frozen=True, slots=True)
 class SessionKeys:
     """The keys one session's atomic scripts touch, in the order the scripts expect them."""
@@ -73,15 +112,11 @@ class KeySpace:
     prefix: str = DEFAULT_PREFIX
 
     def __post_init__(self) -> None:
-        if not self.prefix or any(c in self.prefix for c in "*?[]{}\\ \r\n\t"):
-            raise ValueError(
-                f"key prefix {self.prefix!r} must be non-empty and free of glob, hash-tag and "
-                "whitespace characters"
-            )
+        check_prefix(self.prefix)
 
     @property
     def _internal(self) -> str:
-        return f"{self.prefix}.cq"
+        return f"{self.prefix}{INTERNAL_SUFFIX}"
 
     @property
     def shards(self) -> int:

@@ -9,11 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from checkpointq.store.base import StoreOptions
-from checkpointq.store.keys import DEFAULT_PREFIX
+from checkpointq.store.keys import DEFAULT_PREFIX, check_prefix
 from checkpointq.store.urls import (
     SUPPORTED_BROKER_SCHEMES,
     is_cluster_url,
@@ -53,7 +53,9 @@ class Settings(BaseSettings):
     beat_url: str | None = None
     #: Directory of the embedded Redis (socket, AOF files, pid). Default ``./.checkpointq``.
     data_dir: Path = Path(".checkpointq")
-    #: Prefix of every store key; the Go store's default, so both sides share data.
+    #: Prefix of every store key; the Go store's default, so both sides share data. No ``:``
+    #: and no ``.cq`` at the end, so that deployments sharing a Redis never reach each
+    #: other's keys (``store/keys.py: check_prefix``).
     key_prefix: str = DEFAULT_PREFIX
     #: Celery queue (a Redis list of that name) that producers push to.
     queue: str = "checkpoints"
@@ -173,6 +175,11 @@ class Settings(BaseSettings):
         """Whether ``broker_url`` is that of a running ``checkpointq up``'s embedded Redis
         (none was configured)."""
         return self._embedded
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _prefix_cannot_nest(cls, prefix: str) -> str:
+        return check_prefix(prefix)
 
     @model_validator(mode="after")
     def _delivery_fits(self) -> Settings:
