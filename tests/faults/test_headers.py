@@ -22,14 +22,14 @@ from tests.faults.harness import (
 
 CASES = {
     # scenario: (header, offset from now, as said in the row, dead-letter kind, its reason)
-    "14-far-future-eta": (
+    "17-far-future-eta": (
         "eta",
         timedelta(days=1),
         "a day ahead",
         "invalid_input",
         "the broker would hand",
     ),
-    "15-expired": ("expires", timedelta(minutes=-5), "5 min past", "expired", "expired at"),
+    "18-expired": ("expires", timedelta(minutes=-5), "5 min past", "expired", "expired at"),
 }
 
 

@@ -86,9 +86,9 @@ def _down(deployment: Deployment) -> Callable[[], object]:
 @pytest.mark.parametrize(
     ("scenario", "fault", "retry_max"),
     [
-        ("13a-store-down-long", "down", 8),
-        ("13b-store-down-long-retry-max-3", "down", 3),
-        ("13c-store-out-of-memory", "oom", 8),
+        ("16a-store-down-long", "down", 8),
+        ("16b-store-down-long-retry-max-3", "down", 3),
+        ("16c-store-out-of-memory", "oom", 8),
     ],
 )
 def test_a_store_fault_longer_than_the_retry_budget_loses_and_dead_letters_nothing(
@@ -169,7 +169,7 @@ def test_requests_whose_retries_run_out_in_an_outage_go_back_to_the_queue(
     row = conclude(
         deployment,
         verdict,
-        scenario="13d-retries-spent-in-outage",
+        scenario="16d-retries-spent-in-outage",
         title="retries run out during a store outage (backpressure off)",
         load=describe(scale),
         faults=f"store down {scale.store_outage:.0f} s (+ until 10 requeues), "
