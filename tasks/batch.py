@@ -28,6 +28,7 @@ from checkpointq.store.serde import checkpoint_from_wire, dumps_go
 from checkpointq.tasks import observers, runtime
 from checkpointq.tasks.dead_letters import Reason
 from checkpointq.tasks.messages import APPLY_BATCH, DELETE, MAX_ITEMS, SAVE, save_outcome
+from checkpointq.tasks.refusals import refuse
 from checkpointq.tasks.seq import accepted_seq
 
 _SAVE_FIELDS = frozenset({"op", "checkpoint", "seq"})
@@ -80,14 +81,20 @@ def item_outcome(op: BatchOp, result: SaveResult | bool) -> Outcome:
     return {"outcome": "deleted" if result else "stale", "session_id": session_id, "seq": op.seq}
 
 
+def _seq(seq: object) -> int | None:
+    return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
+
+
 def _notify(task_id: str | None, label: str, outcome: Outcome, seq: object) -> None:
+    if outcome["outcome"] == "dead_lettered":
+        return  # refuse() told the observers
     observers.notify(
         observers.Observation(
             task=label,
             outcome=str(outcome["outcome"]),
             task_id=task_id,
             session_id=outcome.get("session_id"),
-            seq=seq if isinstance(seq, int) and not isinstance(seq, bool) else None,
+            seq=_seq(seq),
             stored_bytes=outcome.get("stored_bytes"),
             trimmed=int(outcome.get("trimmed") or 0),
             kind=outcome.get("kind"),
@@ -122,16 +129,18 @@ def apply_batch(task: Task, items: object) -> Outcome:
     # Dead letters only once the batch applied, so that a retried batch records each once.
     for position, error in sorted(refused.items()):
         name, args, kwargs = _as_request(items[position])
-        entry = rt.dead_letters.add(
+        item = items[position]
+        entry = refuse(
             Reason.INVALID_INPUT,
             f"item {position} of {APPLY_BATCH}: {error}",
             task=name,
             task_id=task.request.id,
             args=args,
             kwargs=kwargs,
-            raw=dumps_go(items[position]),
+            raw=dumps_go(item),
             retries=task.request.retries or 0,
             request_ids=[item_request_id(task.request.id, position)],
+            seq=_seq(item.get("seq") if isinstance(item, dict) else None),
         )
         outcomes[position] = {"outcome": "dead_lettered", "kind": "invalid_input", "entry": entry}
     counts: dict[str, int] = {}

@@ -47,6 +47,7 @@ from checkpointq.tasks.messages import (
     save_outcome,
 )
 from checkpointq.tasks.reconcile import reconcile_slice
+from checkpointq.tasks.refusals import refuse
 from checkpointq.tasks.seq import accepted_seq
 from checkpointq.tasks.sweep import sweep
 
@@ -147,7 +148,9 @@ outcomes = OutcomeLog()
 def _dead_letter(
     task: Task, kind: Reason, reason: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Outcome:
-    entry = runtime.current().dead_letters.add(
+    """Refuse the request (``refusals.refuse``: recorded, then observed)."""
+    label = observers.task_label(task.name)
+    entry = refuse(
         kind,
         reason,
         task=task.name,
@@ -158,6 +161,7 @@ def _dead_letter(
         # directly has none: the JSON of its arguments is kept instead).
         raw=getattr(task.request, messages.RAW_BODY_FIELD, None),
         retries=task.request.retries or 0,
+        seq=requested_seq(args, kwargs) if label in ("save", "delete") else None,
     )
     return {"outcome": "dead_lettered", "kind": kind.value, "entry": entry}
 
@@ -169,8 +173,11 @@ def _observe(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> None:
-    """Log the outcome and tell the observers (metrics) about it."""
+    """Log the outcome and tell the observers (metrics) about it; a dead letter's
+    observers were told by ``refuse`` already."""
     outcomes.record(task.name, outcome, task.request.id)
+    if outcome.get("outcome") == "dead_lettered":
+        return
     label = observers.task_label(task.name)
     observers.notify(
         observers.Observation(

@@ -28,6 +28,7 @@ from celery.worker.consumer import Consumer
 from checkpointq.store.errors import StoreUnavailable
 from checkpointq.tasks import messages, observers, runtime
 from checkpointq.tasks.dead_letters import Reason
+from checkpointq.tasks.refusals import refuse
 from checkpointq.worker import backpressure, timing, transport
 
 logger = logging.getLogger(__name__)
@@ -182,7 +183,7 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no 
         args, kwargs = _arguments(message) if with_arguments else (None, None)
         headers = message.headers if isinstance(message.headers, dict) else {}
         try:
-            runtime.current().dead_letters.add(
+            refuse(
                 kind,
                 reason,
                 task=task,
@@ -201,14 +202,6 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no 
             _leave_for_redelivery(message)
             backpressure.trip(str(exc))
             return False
-        observers.notify(
-            observers.Observation(
-                task=observers.task_label(task),
-                outcome="dead_lettered",
-                task_id=task_id,
-                kind=kind.value,
-            )
-        )
         return True
 
     def create_task_handler(self, *args: Any, **kwargs: Any) -> Any:

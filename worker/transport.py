@@ -27,8 +27,8 @@ from kombu.transport import redis as kombu_redis
 from kombu.utils.json import loads as kombu_loads
 
 from checkpointq.store.errors import StoreUnavailable
-from checkpointq.tasks import observers, runtime
 from checkpointq.tasks.dead_letters import Reason
+from checkpointq.tasks.refusals import refuse
 from checkpointq.worker import backpressure
 
 logger = logging.getLogger(__name__)
@@ -46,13 +46,8 @@ def _refuse(channel: Any, key: bytes | str, item: bytes, queue: str, exc: BaseEx
     """Record an undecodable item; if the store is down, put the item back in the queue."""
     reason = f"queue item is not a Celery message ({type(exc).__name__}: {exc})"
     try:
-        runtime.current().dead_letters.add(
-            Reason.UNDECODABLE,
-            reason,
-            task=None,
-            task_id=None,
-            raw=item,
-            headers={"queue": queue},
+        refuse(
+            Reason.UNDECODABLE, reason, task=None, task_id=None, raw=item, headers={"queue": queue}
         )
     except StoreUnavailable as down:
         # Popped, never in the ``unacked`` hash: back at the far end of the list it goes, and
@@ -62,12 +57,6 @@ def _refuse(channel: Any, key: bytes | str, item: bytes, queue: str, exc: BaseEx
         with channel.conn_or_acquire() as client:  # as kombu's own _put: not the BRPOP one
             client.lpush(key, item)
         backpressure.trip(str(down))
-        return
-    observers.notify(
-        observers.Observation(
-            task=observers.OTHER_TASK, outcome="dead_lettered", kind=Reason.UNDECODABLE.value
-        )
-    )
 
 
 def _guarded_brpop_read(self: Any, **options: Any) -> bool:

@@ -83,6 +83,7 @@ def _down(deployment: Deployment) -> Callable[[], object]:
     return deployment.store_server.start
 
 
+@pytest.mark.timeout(1200)  # long mode: a 120 s fault, then the backlog it left to drain
 @pytest.mark.parametrize(
     ("scenario", "fault", "retry_max"),
     [
