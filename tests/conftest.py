@@ -22,6 +22,23 @@ def redis_server() -> Iterator[RedisServer]:
     server.cleanup()
 
 
+@pytest.fixture(scope="module")
+def broker_server() -> Iterator[RedisServer]:
+    """A plain Redis broker for the module (tests of other brokers do not ask for it)."""
+    server = RedisServer().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture(scope="module")
+def store_server() -> Iterator[RedisServer]:
+    """The module's store Redis, apart from the broker so that it can go down on its own
+    (tests/faults overrides it with a fresh one per test, AOF on)."""
+    server = RedisServer().start()
+    yield server
+    server.cleanup()
+
+
 @pytest.fixture
 def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
     """A client of the private server, emptied before each test (never the shared Redis)."""

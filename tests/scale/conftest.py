@@ -108,21 +108,6 @@ def sentinel_group() -> Iterator[SentinelGroup]:
     group.cleanup()
 
 
-@pytest.fixture(scope="module")
-def broker_server() -> Iterator[RedisServer]:
-    """A plain Redis broker for the module (tests of other brokers don't ask for it)."""
-    server = RedisServer().start()
-    yield server
-    server.cleanup()
-
-
-@pytest.fixture(scope="module")
-def store_server() -> Iterator[RedisServer]:
-    server = RedisServer().start()
-    yield server
-    server.cleanup()
-
-
 @pytest.fixture
 def store_client(store_server: RedisServer) -> Iterator[redis.Redis]:
     """The module's store Redis, emptied before the test."""

@@ -51,21 +51,6 @@ class Deployment:
 
 
 @pytest.fixture(scope="module")
-def broker_server() -> Iterator[RedisServer]:
-    server = RedisServer().start()
-    yield server
-    server.cleanup()
-
-
-@pytest.fixture(scope="module")
-def store_server() -> Iterator[RedisServer]:
-    """The store Redis, apart from the broker so that it can go down on its own."""
-    server = RedisServer().start()
-    yield server
-    server.cleanup()
-
-
-@pytest.fixture(scope="module")
 def deployment(broker_server: RedisServer, store_server: RedisServer) -> Iterator[Deployment]:
     values = {**WORKER_SETTINGS, "broker_url": broker_server.url, "store_url": store_server.url}
     worker = CeleryProcess("worker", checkpointq_env(**values)).start()
