@@ -596,6 +596,22 @@ class Deployment:
         client = self.broker_client()
         return int(client.llen(QUEUE)) + int(client.hlen("unacked"))
 
+    def wait_progress(self, total: int, fraction: float) -> None:
+        """Until at most ``1 - fraction`` of a load of ``total`` requests is still queued or
+        held: the moment a scenario injects its fault into a busy worker."""
+        wait_until(
+            lambda: self.backlog() <= total * (1 - fraction),
+            timeout=180,
+            message=f"{fraction:.0%} of the load to be done",
+        )
+
+    def busy_worker(self, load: Sequence[Request], fraction: float = 0.3) -> Celery:
+        """Start a worker, push ``load``, and return once ``fraction`` of it is done."""
+        worker = self.worker()
+        push(self.broker_client(), (r.envelope() for r in load))
+        self.wait_progress(len(load), fraction)
+        return worker
+
     def settle(self, load: Sequence[Request], timeout: float, *, require: bool = True) -> Verdict:
         """Wait until the queue is drained and the store shows the expected state.
 
@@ -741,6 +757,14 @@ def conclude(
     )
     record(row)
     return row
+
+
+def finish(deployment: Deployment, verdict: Verdict, **row: Any) -> Row:
+    """How every scenario ends: record its row (``conclude``), then fail unless the row
+    passed (exact verdict, the dead letters expected, the scenario's own checks)."""
+    recorded = conclude(deployment, verdict, **row)
+    assert recorded.result.startswith("pass"), f"{recorded}\n{verdict}"
+    return recorded
 
 
 def describe(scale: Scale, requests: int | None = None, sessions: int | None = None) -> str:

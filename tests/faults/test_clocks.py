@@ -9,8 +9,8 @@ from tests.faults.harness import (
     Deployment,
     Request,
     Scale,
-    conclude,
     describe,
+    finish,
     generate_load,
     push,
     seq_base,
@@ -39,7 +39,7 @@ def test_a_producer_clock_an_hour_ahead_cannot_freeze_its_sessions(
     verdict = deployment.settle(load, timeout=240)
     letters = deployment.wait_dead_letters(len(ahead))
     reasons = {entry.reason for entry in letters.list(count=len(ahead)).entries}
-    row = conclude(
+    row = finish(
         deployment,
         verdict,
         scenario="12-clock-ahead",
@@ -50,6 +50,5 @@ def test_a_producer_clock_an_hour_ahead_cannot_freeze_its_sessions(
         expect_dead=len(ahead),
         passed=worker.running(),
     )
-    assert verdict.exact, verdict
     assert row.dead_lettered == len(ahead)
     assert all("ahead of this worker's clock" in reason for reason in reasons), reasons

@@ -14,20 +14,12 @@ from tests.faults.harness import (
     Deployment,
     Scale,
     children,
-    conclude,
     describe,
+    finish,
     generate_load,
     push,
 )
 from tests.support.servers import wait_until
-
-
-def _wait_progress(deployment: Deployment, total: int, fraction: float) -> None:
-    wait_until(
-        lambda: deployment.backlog() <= total * (1 - fraction),
-        timeout=180,
-        message=f"{fraction:.0%} of the load to be done",
-    )
 
 
 def test_worker_killed_mid_load_loses_nothing_after_restart(
@@ -35,9 +27,7 @@ def test_worker_killed_mid_load_loses_nothing_after_restart(
 ) -> None:
     # Given a worker busy with a load
     load = generate_load(scale.sessions, scale.requests, random.Random(1))
-    worker = deployment.worker()
-    push(deployment.broker_client(), (r.envelope() for r in load))
-    _wait_progress(deployment, len(load), 0.3)
+    worker = deployment.busy_worker(load, 0.3)
     # When its main process is killed (kill -9, pool children with it) and a new one starts
     held = int(deployment.broker_client().hlen("unacked"))
     worker.kill()
@@ -45,7 +35,7 @@ def test_worker_killed_mid_load_loses_nothing_after_restart(
     # Then, once the visibility timeout hands the unacknowledged messages out again,
     # every request has taken effect
     verdict = deployment.settle(load, timeout=180)
-    row = conclude(
+    finish(
         deployment,
         verdict,
         scenario="1-kill-main",
@@ -55,8 +45,6 @@ def test_worker_killed_mid_load_loses_nothing_after_restart(
         notes="visibility timeout 10 s here (300 s in production); the new worker "
         "redelivers what the dead one held",
     )
-    assert verdict.exact, verdict
-    assert row.dead_lettered == 0
 
 
 def test_pool_child_killed_mid_task_has_its_message_redelivered(
@@ -101,7 +89,7 @@ def test_pool_child_killed_mid_task_has_its_message_redelivered(
     mid_task = worker.log().count(lost_mid_task)
     # Then the worker carried on (no restart) and every request took effect
     verdict = deployment.settle(load, timeout=180)
-    row = conclude(
+    finish(
         deployment,
         verdict,
         scenario="2-kill-child",
@@ -113,8 +101,6 @@ def test_pool_child_killed_mid_task_has_its_message_redelivered(
     )
     assert worker.running(), "the worker died with its child"
     assert mid_task >= 1, "no child was killed in the middle of a task: nothing was proven"
-    assert verdict.exact, verdict
-    assert row.dead_lettered == 0
 
 
 def test_sigterm_mid_load_requeues_what_was_unacknowledged(
@@ -124,9 +110,7 @@ def test_sigterm_mid_load_requeues_what_was_unacknowledged(
     # may take: messages must come back by the soft shutdown's requeue, not by timing out
     deployment.settings.update(visibility_timeout=3600, tombstone_ttl_seconds=7200)
     load = generate_load(scale.sessions, scale.requests, random.Random(3))
-    worker = deployment.worker()
-    push(deployment.broker_client(), (r.envelope() for r in load))
-    _wait_progress(deployment, len(load), 0.3)
+    worker = deployment.busy_worker(load, 0.3)
     # When it receives SIGTERM (a deploy, `docker stop`)
     code = worker.terminate()
     broker = deployment.broker_client()
@@ -134,7 +118,7 @@ def test_sigterm_mid_load_requeues_what_was_unacknowledged(
     # Then it exits cleanly leaving nothing unacknowledged, and a new worker finishes the load
     deployment.worker()
     verdict = deployment.settle(load, timeout=180)
-    row = conclude(
+    finish(
         deployment,
         verdict,
         scenario="3-sigterm",
@@ -147,5 +131,3 @@ def test_sigterm_mid_load_requeues_what_was_unacknowledged(
     )
     assert code == 0
     assert unacked_after == 0
-    assert verdict.exact, verdict
-    assert row.dead_lettered == 0

