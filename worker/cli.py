@@ -635,7 +635,8 @@ def top(interval: float, once: bool, as_json: bool) -> None:
 )
 @json_option
 def health(local: bool, beat: bool, as_json: bool) -> None:
-    """Exit 0 when the broker and store answer and a worker is alive (or beat, with --beat).
+    """Exit 0 when the broker answers, the store accepts a write, and a worker is alive and
+    making progress (or beat's schedule is on time, with --beat).
 
     Workers are seen through their heartbeats in the store Redis, not remote control.
     """
