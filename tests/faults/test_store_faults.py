@@ -138,6 +138,7 @@ def test_a_store_fault_longer_than_the_retry_budget_loses_and_dead_letters_nothi
     assert RESUMED in log
 
 
+@pytest.mark.timeout(1200)
 def test_requests_whose_retries_run_out_in_an_outage_go_back_to_the_queue(
     deployment: Deployment, scale: Scale
 ) -> None:
@@ -151,9 +152,10 @@ def test_requests_whose_retries_run_out_in_an_outage_go_back_to_the_queue(
         wait_until(lambda: deployment.backlog() <= len(load) * 0.8, timeout=120, message="20% done")
         # When the store is down for longer than that retry budget
         deployment.store_server.stop()
+        # (each retry waits its turn behind the whole queue: minutes in the long mode)
         wait_until(
             lambda: worker.log().count(REQUEUED) >= 10,
-            timeout=60,
+            timeout=600,
             message="requests to run out of retries",
         )
         hold(scale.store_outage)
