@@ -16,7 +16,10 @@ that the worker's memory stays bounded:
   dropped, so Celery cannot discard it silently later: applying a late request is
   harmless, since writes are fenced by ``seq``).
 
-Only protocol 2 headers are read (what every current producer sends; docs/protocol.md).
+Only protocol 2 headers are read (what every current producer sends; docs/protocol.md), and
+only on producers' requests (save, delete, refresh, apply_batch). Beat's housekeeping tasks
+(the sweep, reconciliation) carry an ``expires`` of one interval on purpose: a lapsed one is
+redundant, the next does its work, so Celery lets it lapse as before.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from checkpointq.tasks.dead_letters import Reason
+from checkpointq.tasks.messages import APPLY_BATCH, DELETE, REFRESH, SAVE
+
+#: The tasks producers send: what the policy here applies to.
+REQUESTS = frozenset({SAVE, DELETE, REFRESH, APPLY_BATCH})
 
 
 def _instant(value: object) -> datetime | None:
@@ -42,13 +49,16 @@ def _instant(value: object) -> datetime | None:
 def refusal(
     headers: dict[str, Any], now: datetime, max_eta_ahead: float
 ) -> tuple[Reason, str] | None:
-    """Why a message's ``eta``/``expires`` headers make it a dead letter, or None.
+    """Why a request's ``eta``/``expires`` headers make it a dead letter, or None (also for
+    anything that is not a producer's request).
 
     Args:
         headers: the message's protocol 2 headers.
         now: the worker's clock (aware).
         max_eta_ahead: seconds an ``eta`` may be ahead of ``now`` (the visibility timeout).
     """
+    if headers.get("task") not in REQUESTS:
+        return None
     try:
         eta = _instant(headers.get("eta"))
         expires = _instant(headers.get("expires"))
@@ -67,7 +77,7 @@ def refusal(
 
 
 def forget_expiry(headers: dict[str, Any]) -> None:
-    """Drop ``expires`` from a message accepted at receipt, so that Celery never discards
+    """Drop ``expires`` from a request accepted at receipt, so that Celery never discards
     it later with only a log line (see the module docstring)."""
-    if headers.get("expires") is not None:
+    if headers.get("task") in REQUESTS and headers.get("expires") is not None:
         headers["expires"] = None
