@@ -152,6 +152,7 @@ def test_requests_whose_retries_run_out_in_an_outage_go_back_to_the_queue(
         wait_until(lambda: deployment.backlog() <= len(load) * 0.8, timeout=120, message="20% done")
         # When the store is down for longer than that retry budget
         deployment.store_server.stop()
+        stopped = time.monotonic()
         # (each retry waits its turn behind the whole queue: minutes in the long mode)
         wait_until(
             lambda: worker.log().count(REQUEUED) >= 10,
@@ -161,6 +162,7 @@ def test_requests_whose_retries_run_out_in_an_outage_go_back_to_the_queue(
         hold(scale.store_outage)
         deployment.store_server.start()
         ended = time.monotonic()
+        outage = ended - stopped
         # Then every request whose retries ran out went back to the queue, none was
         # acknowledged or dead-lettered, and all of them apply once the store is back
         verdict = deployment.settle(load, timeout=240)
@@ -172,8 +174,8 @@ def test_requests_whose_retries_run_out_in_an_outage_go_back_to_the_queue(
         scenario="16d-retries-spent-in-outage",
         title="retries run out during a store outage (backpressure off)",
         load=describe(scale),
-        faults=f"store down {scale.store_outage:.0f} s (+ until 10 requeues), "
-        "CHECKPOINTQ_RETRY_MAX=1, store probe every 3600 s",
+        faults=f"store down {outage:.0f} s (until 10 requeues, then {scale.store_outage:.0f} s "
+        "more), CHECKPOINTQ_RETRY_MAX=1, store probe every 3600 s",
         notes=f"{requeued} requeues of requests whose retries ran out while the store refused "
         "writes (rejected with requeue: back to the queue, never acknowledged)",
         passed=worker.running() and requeued > 0,
