@@ -80,6 +80,9 @@ class StoreSettings(Protocol):
     def store_options(self) -> StoreOptions: ...
 
 
+#: One script call on a cluster node: the node, the call's KEYS and its ARGV.
+_NodeCall = tuple[Any, list[str], list[Any]]
+
 # Errors that say "try again later" rather than "this request is wrong".
 _TRANSIENT = (
     redis_errors.ConnectionError,
@@ -412,7 +415,7 @@ class RedisStore(CheckpointStore):
             first = slot - self._chunk_of_slot_start[slot]
             args = [now_ms, max(1, count - len(ids)), inner, *indexes[first:]]
             [(done, next_inner, *members)] = self._on_nodes(
-                "list sessions", self.scripts.page, [(node, args)]
+                "list sessions", self.scripts.page, [(node, [], args)]
             )
             ids.extend(member.decode() for member in members)
             slot, inner = slot + int(done), int(next_inner)
@@ -463,7 +466,7 @@ class RedisStore(CheckpointStore):
         chunks = self._chunks_by_node()
         start = self._sweep_from % len(chunks)
         order = list(range(start, len(chunks))) + list(range(start))
-        calls = [(chunks[i][0], [now_ms, limit, *chunks[i][1]]) for i in order]
+        calls: list[_NodeCall] = [(chunks[i][0], [], [now_ms, limit, *chunks[i][1]]) for i in order]
         replies = self._on_nodes("list stale sessions", self.scripts.due, calls)
         due: list[bytes] = []
         for position, reply in zip(order, replies, strict=True):
@@ -475,25 +478,34 @@ class RedisStore(CheckpointStore):
         return due
 
     def _on_nodes(
-        self, action: str, script: Script, calls: list[tuple[Any, list[Any]]]
+        self,
+        action: str,
+        script: Script,
+        calls: list[_NodeCall],
+        *,
+        per_call_errors: bool = False,
     ) -> list[Any]:
-        """Run ``script`` once per ``(node, args)``, on that cluster node directly; one
+        """Run ``script`` once per ``(node, keys, args)``, on that cluster node directly; one
         pipeline per node, the nodes concurrently. Replies come in call order.
 
+        With ``per_call_errors`` a call that fails (its slot moved: MOVED) gets its
+        exception as its reply and the others stand; the next call relearns the slot map.
+
         Raises:
-            StoreUnavailable: a node failed or no longer serves a slot it was sent; the next
-                call relearns the slot map first.
+            StoreUnavailable: a node failed, or (without ``per_call_errors``) no longer
+                serves a slot it was sent; the next call relearns the slot map first.
         """
         by_node: dict[str, list[int]] = {}
-        for position, (node, _args) in enumerate(calls):
+        for position, (node, _keys, _args) in enumerate(calls):
             by_node.setdefault(node.name, []).append(position)
 
         def run(positions: list[int]) -> list[Any]:
             node = calls[positions[0]][0]
             pipe = self.client.get_redis_connection(node).pipeline(transaction=False)
             for position in positions:
-                script(args=calls[position][1], client=pipe)
-            replies: list[Any] = pipe.execute()
+                _node, keys, args = calls[position]
+                script(keys=keys, args=args, client=pipe)
+            replies: list[Any] = pipe.execute(raise_on_error=not per_call_errors)
             return replies
 
         replies: list[Any] = [None] * len(calls)
@@ -511,6 +523,8 @@ class RedisStore(CheckpointStore):
         for positions, values in zip(by_node.values(), results, strict=True):
             for position, value in zip(positions, values, strict=True):
                 replies[position] = value
+                if isinstance(value, Exception):
+                    self._relearn_slots = True
         return replies
 
     def _chunks_by_node(self) -> list[tuple[Any, list[str]]]:
@@ -551,7 +565,9 @@ class RedisStore(CheckpointStore):
                 pipe.zcount(self.keys.index(), "-inf", now_ms)
                 live, due = pipe.execute()
             return SessionCounts(live=int(live), expired=int(due))
-        calls = [(node, [now_ms, *indexes]) for node, indexes in self._chunks_by_node()]
+        calls: list[_NodeCall] = [
+            (node, [], [now_ms, *indexes]) for node, indexes in self._chunks_by_node()
+        ]
         replies = self._on_nodes("count sessions", self.scripts.count, calls)
         return SessionCounts(
             live=sum(int(live) for live, _due in replies),
@@ -559,6 +575,8 @@ class RedisStore(CheckpointStore):
         )
 
     def _expire(self, candidates: list[str], now_ms: int) -> list[str]:
+        if isinstance(self.keys, ClusterKeySpace) and candidates:
+            return self._expire_on_cluster(candidates, now_ms)
         expired: list[str] = []
         for start in range(0, len(candidates), SWEEP_BATCH):
             batch = candidates[start : start + SWEEP_BATCH]
@@ -573,6 +591,27 @@ class RedisStore(CheckpointStore):
                     )
                 results = pipe.execute()
             expired.extend(sid for sid, done in zip(batch, results, strict=True) if done)
+        return expired
+
+    def _expire_on_cluster(self, candidates: list[str], now_ms: int) -> list[str]:
+        """One expire script per id, sent as EVALSHA down the connection of the node serving
+        the id's slot (a cluster pipeline could only send the whole script text, through a
+        slower client path). An id whose slot moved meanwhile is not expired now: it stays
+        due and the next sweep, with the slot map relearned, expires it."""
+        self._chunks_by_node()  # relearns the slot map first if a call failed
+        slots = self.client.nodes_manager.slots_cache
+        expired: list[str] = []
+        for start in range(0, len(candidates), SWEEP_BATCH * 4):
+            batch = candidates[start : start + SWEEP_BATCH * 4]
+            calls = []
+            for session_id in batch:
+                session = self.keys.session(session_id)
+                node = slots[self.keys.shard(session_id)][0]
+                calls.append((node, session.as_list(), [now_ms, session_id]))
+            results = self._on_nodes(
+                "expire stale sessions", self.scripts.expire, calls, per_call_errors=True
+            )
+            expired.extend(sid for sid, done in zip(batch, results, strict=True) if done == 1)
         return expired
 
     # -- maintenance --------------------------------------------------------------------
