@@ -39,7 +39,7 @@ from typing import Any
 import redis
 
 from checkpointq.store.base import CheckpointStore
-from checkpointq.store.keys import KeySpace
+from checkpointq.store.keys import DEFAULT_PREFIX, KeySpace
 from checkpointq.store.redis import RedisStore
 from checkpointq.store.serde import checkpoint_to_wire
 from checkpointq.tasks.dead_letters import DeadLetters
@@ -545,7 +545,7 @@ class Deployment:
 
     @property
     def keys(self) -> KeySpace:
-        return KeySpace()
+        return KeySpace(str(self.settings.get("key_prefix", DEFAULT_PREFIX)))
 
     def env(self) -> dict[str, str]:
         return checkpointq_env(**self.all_settings)
@@ -573,7 +573,7 @@ class Deployment:
         return client
 
     def store(self) -> RedisStore:
-        opened = RedisStore.from_url(self.store_server.url)
+        opened = RedisStore.from_url(self.store_server.url, prefix=self.keys.prefix)
         self._clients.append(opened)
         return opened
 
