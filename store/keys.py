@@ -71,8 +71,9 @@ def check_prefix(prefix: str) -> str:
     prefixes without ``:`` that do not end in ``.cq``: the first ``:`` of every key then
     sits right after the prefix (or after its ``.cq``). A prefix ``agentorca-session:b``
     would let a session id ``b.cq:fence:s0`` of deployment ``agentorca-session`` overwrite
-    that deployment's fence of ``s0``; a prefix ``agentorca-session.cq`` would share its
-    data keys with the bookkeeping of ``agentorca-session``. Both are refused, for every
+    the fence of ``s0`` in deployment ``agentorca-session:b``; a prefix
+    ``agentorca-session.cq`` would share its data keys with the bookkeeping of
+    ``agentorca-session``. Both are refused, for every
     deployment, so no pair can nest whatever the other one chose.
 
     Raises:
