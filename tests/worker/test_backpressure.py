@@ -1,0 +1,121 @@
+"""The store gate (worker/backpressure.py) on a real kombu consumer, and the queue reader's
+put-back of an item whose dead letter cannot be written."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import fakeredis
+import pytest
+from kombu import connection, entity, messaging
+
+from checkpointq.store.errors import StoreUnavailable
+from checkpointq.store.keys import KeySpace
+from checkpointq.store.memory import InMemoryStore
+from checkpointq.tasks import runtime
+from checkpointq.tasks.dead_letters import DeadLetters
+from checkpointq.tasks.runtime import Runtime
+from checkpointq.worker import backpressure, transport
+from checkpointq.worker.backpressure import StoreGate
+
+# kombu's hints are partial (untyped functions): its classes are used as Any here.
+Connection: Any = connection.Connection
+Consumer: Any = messaging.Consumer
+Producer: Any = messaging.Producer
+Queue: Any = entity.Queue
+
+OOM = "out of memory (maxmemory reached, eviction off): command not allowed"
+
+
+@pytest.fixture
+def kombu_consumer() -> Iterator[tuple[Any, Any, list[Any]]]:
+    """A kombu consumer of queue "gate" on the in-memory transport, and what it received."""
+    with Connection("memory://") as conn:
+        channel = conn.channel()
+        received: list[Any] = []
+        queue = Queue("gate", channel=channel)
+        queue.declare()
+        consumer = Consumer(channel, queues=[queue], callbacks=[lambda b, m: received.append(b)])
+        consumer.consume()
+        yield conn, consumer, received
+        consumer.cancel()
+        channel.close()
+
+
+def _publish(conn: Any, body: str) -> None:
+    Producer(conn.default_channel).publish(body, routing_key="gate")
+
+
+def _drain(conn: Any) -> None:
+    with contextlib.suppress(TimeoutError):  # nothing (more) to deliver
+        conn.drain_events(timeout=0.2)
+
+
+def test_the_gate_stops_consuming_while_the_store_refuses_writes_and_resumes_after(
+    kombu_consumer: tuple[Any, Any, list[Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    conn, consumer, received = kombu_consumer
+    answers = iter([OOM, OOM, None])
+    gate = StoreGate(SimpleNamespace(task_consumer=consumer), lambda: next(answers))
+    # When the probe is refused (twice), the queue is cancelled and a message waits
+    gate.tick()
+    gate.tick()
+    assert gate.paused and gate.refusal == OOM
+    assert not consumer.consuming_from("gate")
+    _publish(conn, "waits")
+    _drain(conn)
+    assert received == []
+    assert caplog.text.count("store refusing writes") == 1  # once per outage
+    # When a probe is accepted, the queue is consumed again and the message delivered
+    gate.tick()
+    assert not gate.paused and consumer.consuming_from("gate")
+    _drain(conn)
+    assert received == ["waits"]
+    assert "store accepts writes again" in caplog.text
+
+
+def test_a_refusal_seen_elsewhere_trips_the_gate_at_once(
+    kombu_consumer: tuple[Any, Any, list[Any]],
+) -> None:
+    _, consumer, _ = kombu_consumer
+    gate = StoreGate(SimpleNamespace(task_consumer=consumer), lambda: None)
+    gate.trip("record dead letter: Redis unavailable (ConnectionError)")
+    assert gate.paused and not consumer.consuming_from("gate")
+    gate.tick()  # the next probe is accepted
+    assert consumer.consuming_from("gate")
+
+
+class _DownStream(fakeredis.FakeRedis):
+    """A store Redis that cannot record dead letters."""
+
+    def xadd(self, *args: Any, **kwargs: Any) -> Any:
+        raise StoreUnavailable("record dead letter: Redis unavailable (ConnectionError)")
+
+
+def test_a_malformed_item_whose_dead_letter_cannot_be_written_goes_back_to_the_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a store that cannot take the dead letter, and a broker the reader popped from
+    keys = KeySpace("unit")
+    down = _DownStream()
+    runtime.install(Runtime(InMemoryStore(), down, keys, DeadLetters(down, keys)))
+    broker = fakeredis.FakeRedis()
+    tripped: list[str] = []
+    monkeypatch.setattr(backpressure, "trip", tripped.append)
+
+    @contextlib.contextmanager
+    def conn_or_acquire() -> Iterator[Any]:
+        yield broker
+
+    channel = SimpleNamespace(conn_or_acquire=conn_or_acquire)
+    try:
+        # When the reader refuses an item that is not a Celery message
+        transport._refuse(channel, b"checkpoints", b"not json", "checkpoints", ValueError("x"))
+    finally:
+        runtime.reset()
+    # Then the item is back in the queue, and the worker pauses
+    assert broker.lrange("checkpoints", 0, -1) == [b"not json"]
+    assert tripped and "Redis unavailable" in tripped[0]
