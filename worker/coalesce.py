@@ -3,8 +3,9 @@
 Producers in Go, Node or raw ``LPUSH`` send one request per message, and Celery's per
 message cost (a Request, a trip through the pool's pipe, a result back) is several times the
 store's own work for a 20 KB save. So for ``checkpoint.save`` and ``checkpoint.delete`` the
-worker's main process keeps the messages it reserves (up to ``max_items``) for a short
-window, hands their raw bodies to one pool process as one job
+worker's main process groups the messages it reserves (up to ``max_items``) while every
+pool process is busy (or for ``window`` after the first, if one is set), hands their raw
+bodies to one pool process as one job
 (``checkpointq.tasks.coalesced.apply_requests``: one pipelined round trip, each item fenced
 by its own ``seq``, in arrival order), and acknowledges each message only once the job says
 its item is durable.
@@ -102,12 +103,14 @@ class Coalescer:
     # -- main process, on the event loop -------------------------------------------------
 
     def add(self, pending: _Pending) -> None:
-        if not self._group:
-            self._opened = time.monotonic()
-            self._timer = self.consumer.timer.call_after(self.window, self._on_window)
         self._group.append(pending)
-        if len(self._group) >= self.max_items:
+        if len(self._group) >= self.max_items or (not self.window and self._in_flight < self.slots):
+            # Full, or no window and a pool process idle: waiting would only add latency.
             self._flush()
+        elif len(self._group) == 1:
+            self._opened = time.monotonic()
+            if self.window:
+                self._timer = self.consumer.timer.call_after(self.window, self._on_window)
 
     def _on_window(self) -> None:
         self._timer = None

@@ -107,8 +107,9 @@ class Settings(BaseSettings):
     #: threads pool never coalesces.
     coalesce_max_items: int = Field(default=32, ge=0, le=1000)
     #: Milliseconds a group waits for more requests after its first arrived, when a pool
-    #: process is free to apply it.
-    coalesce_window_ms: float = Field(default=2.0, gt=0, le=1000)
+    #: process is free to apply it (while every one is busy, groups keep filling anyway).
+    #: 0: it goes at once, so groups form only while every pool process is busy.
+    coalesce_window_ms: float = Field(default=2.0, ge=0, le=1000)
 
     @property
     def coalescing(self) -> bool:
