@@ -85,31 +85,3 @@ def cdf(path: Path, title: str, samples: Mapping[str, Sequence[float]], xlabel: 
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def throughput(
-    path: Path,
-    title: str,
-    xs: Mapping[str, Sequence[float]],
-    series: Mapping[str, Sequence[Summary]],
-    xlabel: str,
-    ylabel: str,
-) -> None:
-    """Medians against each series' own x values (linear x, log y), min-max as error bars."""
-    fig, ax = plt.subplots(figsize=(9, 5))
-    for name, values in series.items():
-        medians = [v.median for v in values]
-        errors = [[v.median - v.low for v in values], [v.high - v.median for v in values]]
-        style = "--" if "no-op" in name else ":" if "batch" in name else "-"
-        ax.errorbar(
-            list(xs[name]), medians, yerr=errors, marker="o", capsize=3, label=name, ls=style
-        )
-    ax.set_yscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize="small", ncol=3)
-    ax.grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
