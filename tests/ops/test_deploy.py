@@ -60,7 +60,20 @@ def test_the_metrics_port_is_exposed_and_flower_is_a_profile(compose: dict[str, 
     assert worker["environment"]["CHECKPOINTQ_METRICS_PORT"] in worker["expose"]
     flower = services["flower"]
     assert flower["profiles"] == ["flower"]
-    assert f"--broker={worker['environment']['CHECKPOINTQ_BROKER_URL']}" in flower["command"]
+    # Flower reads the workers' broker (the same URL, up to how a missing password is reported)
+    # and never starts without basic auth.
+    assert _unchecked(flower["environment"]["FLOWER_BROKER_URL"]) == _unchecked(
+        worker["environment"]["CHECKPOINTQ_BROKER_URL"]
+    )
+    command = " ".join(flower["entrypoint"])
+    assert '--broker="$$FLOWER_BROKER_URL"' in command
+    assert '--basic-auth="$$FLOWER_USER:$$FLOWER_PASSWORD"' in command
+    assert 'test -n "$$FLOWER_PASSWORD"' in command
+
+
+def _unchecked(value: str) -> str:
+    """``${VAR:?message}`` and ``${VAR:-default}`` as plain ``${VAR}``."""
+    return re.sub(r"\$\{(\w+):[?-][^}]*\}", r"${\1}", value)
 
 
 def test_the_readme_lists_exactly_the_exported_metrics() -> None:
