@@ -25,6 +25,8 @@ from tests.support.servers import wait_until
 #: Groups as large as the default, so that a kill lands while many messages are grouped.
 COALESCE = {"coalesce_max_items": 32, "coalesce_window_ms": 2.0}
 GROUP_LOST = "each runs alone"
+#: Messages the worker must hold (reserved, in groups or being applied) when it is killed.
+HELD_AT_KILL = 16
 
 
 def test_worker_killed_mid_group_loses_nothing_after_restart(
@@ -41,8 +43,14 @@ def test_worker_killed_mid_group_loses_nothing_after_restart(
         message="30% of the load to be done",
     )
     # When its main process is killed with kill -9 (pool with it) while it holds groups
-    held = int(deployment.broker_client().hlen("unacked"))
+    broker = deployment.broker_client()
+    wait_until(
+        lambda: int(broker.hlen("unacked")) >= HELD_AT_KILL,
+        timeout=60,
+        message=f"the worker to hold {HELD_AT_KILL} messages",
+    )
     worker.kill()
+    held = int(broker.hlen("unacked"))
     deployment.worker()
     # Then every request takes effect once the visibility timeout hands the held ones out
     verdict = deployment.settle(load, timeout=180)
@@ -55,7 +63,7 @@ def test_worker_killed_mid_group_loses_nothing_after_restart(
         faults=f"kill -9 with {held} message(s) unacknowledged (groups of up to 32)",
         notes="each message is acknowledged only once its own item is durable",
     )
-    assert held > 0, "nothing was held when the worker died: nothing was proven"
+    assert held >= HELD_AT_KILL, "too little was held when the worker died: nothing was proven"
     assert verdict.exact, verdict
     assert row.dead_lettered == 0
 
