@@ -25,8 +25,9 @@ from tests.support.servers import wait_until
 #: Groups as large as the default, so that a kill lands while many messages are grouped.
 COALESCE = {"coalesce_max_items": 32, "coalesce_window_ms": 2.0}
 GROUP_LOST = "each runs alone"
-#: Messages the worker must hold (reserved, in groups or being applied) when it is killed.
-HELD_AT_KILL = 16
+#: Messages the worker must hold (reserved, in groups or being applied) when it is killed:
+#: more than one, so that a group was in the making or in flight.
+HELD_AT_KILL = 4
 
 
 def test_worker_killed_mid_group_loses_nothing_after_restart(
@@ -37,11 +38,6 @@ def test_worker_killed_mid_group_loses_nothing_after_restart(
     load = generate_load(scale.sessions, scale.requests, random.Random(11))
     worker = deployment.worker()
     push(deployment.broker_client(), (r.envelope() for r in load))
-    wait_until(
-        lambda: deployment.backlog() <= len(load) * 0.7,
-        timeout=180,
-        message="30% of the load to be done",
-    )
     # When its main process is killed with kill -9 (pool with it) while it holds groups
     broker = deployment.broker_client()
     wait_until(
