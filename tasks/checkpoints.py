@@ -126,6 +126,10 @@ class OutcomeLog:
             outcome,
             extra={
                 "event": "request",
+                # The request's own id and task: a coalesced group runs many requests inside
+                # one pool job, so Celery's current task does not name this one.
+                "task": task,
+                "task_id": task_id,
                 "session_id": outcome.get("session_id"),
                 "seq": outcome.get("seq"),
                 "outcome": outcome.get("outcome"),
