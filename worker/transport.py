@@ -15,6 +15,13 @@ channel derives from the same class, so one replacement of its BRPOP reader cove
 Redis spelling. It is installed only in worker processes (``install()`` is called by the
 worker's consumer), and the body mirrors kombu 5.7's ``Channel._brpop_read``, which
 ``pyproject.toml`` pins; ``tests/faults/test_abuse.py`` fails if an upgrade changes it.
+
+Why this reader and not a smaller hook (looked at again for the one-home-per-contract work):
+the decoding that raises runs inside kombu's reader, so a hook must sit there or below it.
+Wrapping the ``loads`` that kombu's Redis module calls would also change how it restores
+unacknowledged messages (the same name decodes them), and a ``Message`` subclass is built
+only after the raw item is gone, so it could not record what arrived. Replacing the one
+method keeps the change to the one place where a raw item and its queue are both in hand.
 """
 
 from __future__ import annotations
