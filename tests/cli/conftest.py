@@ -6,7 +6,9 @@ every test runs in its own empty directory with every inherited ``CHECKPOINTQ_*`
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -51,6 +53,30 @@ class Cli:
             timeout=COMMAND_TIMEOUT,
             check=False,
         )
+
+
+@contextlib.contextmanager
+def running(
+    command: list[str], cwd: Path, env: dict[str, str], *, grace: float
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``command`` running in ``cwd`` with its output in ``cwd/up.log``; stopped on exit.
+
+    SIGTERM first, SIGKILL after ``grace`` seconds, so a test that fails midway never leaves
+    a system running behind it.
+    """
+    log = (cwd / "up.log").open("wb")
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        log.close()
 
 
 @pytest.fixture

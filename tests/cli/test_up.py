@@ -21,7 +21,7 @@ import pytest
 
 from checkpointq.store import RedisStore
 from checkpointq.worker.embedded import pid_of
-from tests.cli.conftest import Cli
+from tests.cli.conftest import Cli, running
 from tests.cli.test_embedded import alive
 from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import RedisServer, wait_until
@@ -42,28 +42,9 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
-@contextlib.contextmanager
-def running_up(cli: Cli) -> Iterator[subprocess.Popen[bytes]]:
+def running_up(cli: Cli) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
     """`checkpointq up` running in ``cli``'s directory, killed if a test leaves it running."""
-    log = (cli.cwd / "up.log").open("wb")
-    process = subprocess.Popen(
-        [*_checkpointq(), "up"],
-        cwd=cli.cwd,
-        env=cli.process_env(),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        yield process
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=DEADLINE)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        log.close()
+    return running([*_checkpointq(), "up"], cli.cwd, cli.process_env(), grace=DEADLINE)
 
 
 @pytest.fixture

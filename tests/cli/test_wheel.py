@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli.conftest import running
 from tests.support.servers import wait_until
 
 pytestmark = pytest.mark.integration
@@ -93,25 +94,9 @@ def test_wheel_installs_only_the_checkpointq_namespace(installed: Path) -> None:
 
 @pytest.fixture
 def up(installed: Path, user_project: Path) -> Iterator[subprocess.Popen[bytes]]:
-    log = (user_project / "up.log").open("wb")
-    process = subprocess.Popen(
-        [installed / "checkpointq", "up"],
-        cwd=user_project,
-        env=_env(installed),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
+    command = [str(installed / "checkpointq"), "up"]
+    with running(command, user_project, _env(installed), grace=DEADLINE) as process:
         yield process
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=DEADLINE)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        log.close()
 
 
 def test_installed_up_save_show_never_import_the_users_modules(
