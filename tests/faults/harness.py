@@ -596,6 +596,48 @@ class Deployment:
         client = self.broker_client()
         return int(client.llen(QUEUE)) + int(client.hlen("unacked"))
 
+    def kill_pool_children_until(
+        self,
+        worker: Celery,
+        load: list[Request],
+        scale: Scale,
+        *,
+        marker: str,
+        times: int,
+        seed: int,
+        max_kills: int = 40,
+    ) -> int:
+        """kill -9 ``worker``'s pool children in turn until its log shows ``marker`` ``times``.
+
+        If the load drains before a kill lands where it must (a busy machine makes each child
+        replacement slow), more of the same is pushed, on sessions of its own so that every
+        expected state stays unambiguous, and appended to ``load``. The worker replaces each
+        child before the next kill. Returns the number of kills.
+        """
+        kills = 0
+        while worker.log().count(marker) < times and kills < max_kills:
+            if not self.backlog():
+                more = generate_load(
+                    scale.sessions,
+                    scale.requests,
+                    random.Random(seed + kills),
+                    prefix=f"more{kills}",
+                    messages=20,
+                    content_size=2000,
+                    first_seq=load[-1].seq + 1,
+                )
+                load.extend(more)
+                push(self.broker_client(), (r.envelope() for r in more))
+            pool = children(worker.pid)
+            victim = pool[kills % len(pool)]
+            os.kill(victim, signal.SIGKILL)
+            kills += 1
+            wait_until(
+                lambda v=victim: v not in children(worker.pid) and len(children(worker.pid)) == 2,
+                message="a replacement pool child",
+            )
+        return kills
+
     def wait_progress(self, total: int, fraction: float) -> None:
         """Until at most ``1 - fraction`` of a load of ``total`` requests is still queued or
         held: the moment a scenario injects its fault into a busy worker."""

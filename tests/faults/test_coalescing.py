@@ -7,14 +7,11 @@ require the store to end exactly as if every request had been applied alone, in 
 
 from __future__ import annotations
 
-import os
 import random
-import signal
 
 from tests.faults.harness import (
     Deployment,
     Scale,
-    children,
     conclude,
     describe,
     generate_load,
@@ -76,28 +73,9 @@ def test_pool_child_killed_mid_group_has_the_group_run_alone(
     worker = deployment.worker()
     push(deployment.broker_client(), (r.envelope() for r in load))
     # When pool children are killed with kill -9 until one died while applying a group
-    kills = 0
-    while worker.log().count(GROUP_LOST) < 1 and kills < 40:
-        if not deployment.backlog():
-            more = generate_load(
-                scale.sessions,
-                scale.requests,
-                random.Random(12 + kills),
-                prefix=f"more{kills}",
-                messages=20,
-                content_size=2000,
-                first_seq=load[-1].seq + 1,
-            )
-            load.extend(more)
-            push(deployment.broker_client(), (r.envelope() for r in more))
-        pool = children(worker.pid)
-        victim = pool[kills % len(pool)]
-        os.kill(victim, signal.SIGKILL)
-        kills += 1
-        wait_until(
-            lambda v=victim: v not in children(worker.pid) and len(children(worker.pid)) == 2,
-            message="a replacement pool child",
-        )
+    kills = deployment.kill_pool_children_until(
+        worker, load, scale, marker=GROUP_LOST, times=1, seed=12
+    )
     lost_groups = worker.log().count(GROUP_LOST)
     # Then the worker carried on and every request took effect (the lost group's messages
     # ran again as single tasks: fenced, so applying some twice is harmless)

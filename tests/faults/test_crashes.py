@@ -6,20 +6,16 @@ and then requires the store to end exactly in the expected state.
 
 from __future__ import annotations
 
-import os
 import random
-import signal
 
 from tests.faults.harness import (
     Deployment,
     Scale,
-    children,
     describe,
     finish,
     generate_load,
     push,
 )
-from tests.support.servers import wait_until
 
 
 def test_worker_killed_mid_load_loses_nothing_after_restart(
@@ -59,33 +55,10 @@ def test_pool_child_killed_mid_task_has_its_message_redelivered(
     worker = deployment.worker()
     push(deployment.broker_client(), (r.envelope() for r in load))
     # When pool children are killed with kill -9 until some died in the middle of a task
-    kills = 0
     lost_mid_task = "raised error: WorkerLostError"
-    while worker.log().count(lost_mid_task) < 2 and kills < 40:
-        if not deployment.backlog():
-            # The load drained before a kill landed mid-task (a busy machine makes each
-            # child replacement slow): keep the worker busy with more of the same, on
-            # sessions of their own so that every expected state stays unambiguous.
-            more = generate_load(
-                scale.sessions,
-                scale.requests,
-                random.Random(2 + kills),
-                prefix=f"more{kills}",
-                messages=20,
-                content_size=2000,
-                first_seq=load[-1].seq + 1,
-            )
-            load.extend(more)
-            push(deployment.broker_client(), (r.envelope() for r in more))
-        pool = children(worker.pid)
-        victim = pool[kills % len(pool)]
-        os.kill(victim, signal.SIGKILL)
-        kills += 1
-        # the worker replaces the child before the next kill
-        wait_until(
-            lambda v=victim: v not in children(worker.pid) and len(children(worker.pid)) == 2,
-            message="a replacement pool child",
-        )
+    kills = deployment.kill_pool_children_until(
+        worker, load, scale, marker=lost_mid_task, times=2, seed=2
+    )
     mid_task = worker.log().count(lost_mid_task)
     # Then the worker carried on (no restart) and every request took effect
     verdict = deployment.settle(load, timeout=180)
