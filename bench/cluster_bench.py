@@ -24,7 +24,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from bench.harness import RunConfig, SectionReport, Summary, Target, private_redis, summarize
-from bench.sweep_bench import POPULATE_BATCH, Population, _command, _Slowlog
+from bench.sweep_bench import POPULATE_BATCH, Population, _command, _longest, _Slowlog
 from checkpointq.store import RedisStore, StoreOptions
 from checkpointq.store.keys import ClusterKeySpace
 from tests.support.cluster import LocalCluster
@@ -219,17 +219,6 @@ def _busiest_node_ms(entries: list[dict[str, Any]]) -> float:
     for entry in scripts or entries:
         totals[entry["node"]] = totals.get(entry["node"], 0) + int(entry["duration"])
     return max(totals.values(), default=0) / 1000
-
-
-def _longest(entries: list[dict[str, Any]]) -> tuple[float, str]:
-    if not entries:
-        return (0.0, "")
-    top = max(entries, key=lambda e: int(e["duration"]))
-    words = _command(top).split()
-    label = words[0] if words else "?"
-    if label.upper() in ("EVALSHA", "EVAL"):
-        label += " (a store script)"
-    return (int(top["duration"]) / 1000, label)
 
 
 def _write(
