@@ -32,13 +32,9 @@ def _checkout_copy(target: Path) -> Path:
     return target
 
 
-def test_up_set_up_shows_progress_and_installs_no_dev_tools(tmp_path: Path) -> None:
-    # Given a fresh checkout with no .venv
-    checkout = _checkout_copy(tmp_path / "checkout")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHECKPOINTQ_")}
-
-    # When scripts/up's set-up runs (what it sources before `checkpointq up`)
-    done = subprocess.run(
+def _set_up_for_running(checkout: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """What ``scripts/up`` sources before ``checkpointq up``, in ``checkout``."""
+    return subprocess.run(
         ["bash", "-c", "set -euo pipefail; CHECKPOINTQ_SETUP=run source scripts/setup-env"],
         cwd=checkout,
         env=env,
@@ -47,6 +43,15 @@ def test_up_set_up_shows_progress_and_installs_no_dev_tools(tmp_path: Path) -> N
         timeout=SETUP_TIMEOUT,
         check=False,
     )
+
+
+def test_up_set_up_shows_progress_and_installs_no_dev_tools(tmp_path: Path) -> None:
+    # Given a fresh checkout with no .venv
+    checkout = _checkout_copy(tmp_path / "checkout")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHECKPOINTQ_")}
+
+    # When scripts/up's set-up runs (what it sources before `checkpointq up`)
+    done = _set_up_for_running(checkout, env)
 
     # Then it said what it was doing, and the venv runs checkpointq without any dev tool
     assert done.returncode == 0, done.stderr
@@ -61,13 +66,6 @@ def test_up_set_up_shows_progress_and_installs_no_dev_tools(tmp_path: Path) -> N
     for tool in ("pytest", "ruff", "mypy"):
         assert not (bin_dir / tool).exists(), f"{tool} installed by scripts/up"
     # And a second run installs nothing
-    again = subprocess.run(
-        ["bash", "-c", "set -euo pipefail; CHECKPOINTQ_SETUP=run source scripts/setup-env"],
-        cwd=checkout,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=SETUP_TIMEOUT,
-        check=True,
-    )
+    again = _set_up_for_running(checkout, env)
+    assert again.returncode == 0, again.stderr
     assert "installing" not in again.stderr
