@@ -17,7 +17,7 @@ def _health(system: System) -> tuple[int, str]:
     return result.returncode, result.stderr.strip()
 
 
-def test_health_says_the_store_refuses_writes_rather_than_no_worker(system: System) -> None:
+def test_health_and_stats_say_the_store_refuses_writes_not_no_worker(system: System) -> None:
     # Given a healthy system
     system.start_worker()
     wait_until(lambda: _health(system)[0] == 0, timeout=30, message="health to pass")
@@ -42,9 +42,17 @@ def test_health_says_the_store_refuses_writes_rather_than_no_worker(system: Syst
     assert "the store refuses writes" in line
     report = json.loads(system.cli("health", "--json").stdout)
     assert report["checks"]["store"]["ok"] is False
+    # And stats (what top draws) says the store refuses writes, and why
+    stats = system.cli("stats")
+    assert stats.returncode == 0, stats.stderr
+    assert "store_writes           REFUSED: out of memory" in stats.stdout
+    snapshot = json.loads(system.cli("stats", "--json").stdout)
+    assert snapshot["store_refusing_writes"].startswith("out of memory")
     # When an operator raises the limit, health passes again (the worker never stopped)
     store.config_set("maxmemory", 0)
     wait_until(lambda: _health(system)[0] == 0, timeout=30, message="health to pass again")
+    assert "store_writes           accepted" in system.cli("stats").stdout
+    assert json.loads(system.cli("stats", "--json").stdout)["store_refusing_writes"] is None
 
 
 def test_health_notices_a_worker_that_holds_messages_but_finishes_none(system: System) -> None:

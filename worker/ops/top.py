@@ -9,6 +9,10 @@ Where the numbers come from, and why:
 * dead-letter depth (XLEN), sessions (ZCOUNT of the deadline index), events (XLEN): read
   directly from the store, each O(1) or O(log n);
 * the next sweep: RedBeat's schedule in Redis (``health.next_sweep``);
+* whether the store accepts writes: one probe write (``checkpointq.store.probe``), the one
+  ``health`` and the workers' backpressure make. A store out of memory or read-only still
+  answers every read above, while the workers have paused and the queue grows; this line
+  says why;
 * throughput, lag and dead letters by reason: the workers' heartbeats. Every worker already
   writes a heartbeat every few seconds (``worker/ops/health.py``) carrying its totals so far
   (summed over its pool processes from the metrics files), so ``top`` costs the workers
@@ -38,6 +42,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from checkpointq.store import probe as store_probe
 from checkpointq.store.errors import StoreUnavailable
 from checkpointq.store.urls import redact_url, redact_urls
 from checkpointq.tasks.errors import BrokerUnavailable
@@ -83,6 +88,8 @@ class Snapshot:
     next_sweep: float | None = None
     #: False when the broker cannot show its oldest message without consuming it (RabbitMQ).
     oldest_queued_known: bool = True
+    #: Why the store refuses writes (workers pause meanwhile); None while it accepts them.
+    store_refusing_writes: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -114,6 +121,7 @@ def collect(settings: Settings) -> Snapshot:
         sessions = store.count_sessions(now)
         workers = health.live_workers(store.client, keys)
         next_sweep = health.next_sweep(settings, store.client)
+        refusal = store_probe.write_refusal(store.client, keys.write_probe())
     finally:
         store.close()
     made = queued.oldest_seq
@@ -133,6 +141,7 @@ def collect(settings: Settings) -> Snapshot:
             w.get("totals", {}).get("dead_letters", {}) for w in workers
         ),
         next_sweep=next_sweep,
+        store_refusing_writes=refusal,
     )
 
 
@@ -264,6 +273,15 @@ def render(
     lines: list[RenderableType] = [header]
     if error:
         lines.append(Text(error, style="bold red", no_wrap=True, overflow="ellipsis"))
+    if snapshot.store_refusing_writes:
+        lines.append(
+            Text(
+                f"store refusing writes: {snapshot.store_refusing_writes}; workers paused",
+                style="bold red",
+                no_wrap=True,
+                overflow="ellipsis",
+            )
+        )
 
     due = None if snapshot.next_sweep is None else snapshot.next_sweep - snapshot.time
     state = Table.grid(padding=(0, 2))
@@ -336,6 +354,9 @@ def stats_lines(snapshot: Snapshot) -> list[str]:
         "dead_letters": str(snapshot.dead_letters),
         "events": str(snapshot.events),
         "workers": str(len(snapshot.workers)),
+        "store_writes": "accepted"
+        if snapshot.store_refusing_writes is None
+        else f"REFUSED: {snapshot.store_refusing_writes} (workers paused until it accepts)",
         "next_sweep": "no beat has scheduled one"
         if due is None
         else f"in {_duration(max(0.0, due))}",
