@@ -49,12 +49,50 @@ def _text(value: bytes | str) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
-def _refuse(channel: Any, key: bytes | str, item: bytes, queue: str, exc: BaseException) -> None:
-    """Record an undecodable item; if the store is down, put the item back in the queue."""
+#: A task name or id longer than this, read from a malformed envelope, is not trusted.
+_MAX_NAME = 256
+
+
+def _named(payload: Any) -> tuple[str | None, str | None]:
+    """The task name and id an envelope's headers give, when the envelope itself decoded.
+
+    An envelope whose body is bad (not base64, say) still names its request, and a
+    producer may be waiting on that id: with it, the dead letter gets a refusal record and
+    ``wait_durable`` is told at once instead of timing out. Anything not a short string is
+    ignored: the raw item is recorded whole either way.
+    """
+    headers = payload.get("headers") if isinstance(payload, dict) else None
+    if not isinstance(headers, dict):
+        return None, None
+    task, task_id = headers.get("task"), headers.get("id")
+    return (
+        task if isinstance(task, str) and 0 < len(task) <= _MAX_NAME else None,
+        task_id if isinstance(task_id, str) and 0 < len(task_id) <= _MAX_NAME else None,
+    )
+
+
+def _refuse(
+    channel: Any,
+    key: bytes | str,
+    item: bytes,
+    queue: str,
+    exc: BaseException,
+    payload: Any = None,
+) -> None:
+    """Record an undecodable item; if the store is down, put the item back in the queue.
+
+    ``payload`` is the item's JSON when it parsed (None otherwise).
+    """
     reason = f"queue item is not a Celery message ({type(exc).__name__}: {exc})"
+    task, task_id = _named(payload)
     try:
         refuse(
-            Reason.UNDECODABLE, reason, task=None, task_id=None, raw=item, headers={"queue": queue}
+            Reason.UNDECODABLE,
+            reason,
+            task=task,
+            task_id=task_id,
+            raw=item,
+            headers={"queue": queue},
         )
     except StoreUnavailable as down:
         # Popped, never in the ``unacked`` hash: back at the far end of the list it goes, and
@@ -80,13 +118,14 @@ def _guarded_brpop_read(self: Any, **options: Any) -> bool:
         key, item = dest__item
         dest = _text(key).rsplit(self.sep, 1)[0]
         self._queue_cycle.rotate(dest)
+        payload: Any = None
         try:
-            payload: Any = kombu_loads(_text(item))  # type: ignore[no-untyped-call]
+            payload = kombu_loads(_text(item))  # type: ignore[no-untyped-call]
             # Build the message as the consumer callback will (envelope fields, base64 body),
             # so that whatever would raise there raises here, where it can be refused.
             self.Message(payload, channel=self)
         except Exception as exc:  # any decoding failure means "not a Celery message"
-            _refuse(self, key, item, dest, exc)
+            _refuse(self, key, item, dest, exc, payload)
             return True
         self.connection._deliver(payload, dest)
         return True

@@ -285,9 +285,11 @@ def test_raw_garbage_is_refused_without_stopping_the_worker(
 def test_malformed_queue_item_is_dead_lettered_and_worker_survives(
     deployment: Deployment, item: bytes
 ) -> None:
+    named = None
     if item == b"bad-base64":
         message = json.loads(envelope(SAVE, [], {}))
         message["body"] = "!!! not base64 ###"
+        named = message["headers"]["id"]
         item = json.dumps(message).encode()
     # Given a worker
     worker = deployment.worker()
@@ -302,6 +304,14 @@ def test_malformed_queue_item_is_dead_lettered_and_worker_survives(
     assert letter.kind == "undecodable"
     assert letter.raw == item
     assert "not a Celery message" in letter.reason
+    if named is None:
+        assert letter.task_id is None
+    else:
+        # And an envelope that names its request (only its body is bad) is refused by that
+        # name, with the refusal record a producer waiting on the id reads
+        assert (letter.task, letter.task_id) == (SAVE, named)
+        record = deployment.store_client().hgetall(deployment.keys.refused(named))
+        assert record[b"kind"] == b"undecodable"
 
 
 def test_guarded_reader_still_mirrors_the_pinned_kombu() -> None:
