@@ -33,14 +33,25 @@ class RabbitVhost:
 
     def pending(self) -> int:
         """Ready plus unacknowledged messages of our queue (0 before it exists)."""
+        return sum(self.counts())
+
+    def counts(self) -> tuple[int, int]:
+        """Our queue's ready and unacknowledged (held by a consumer) messages."""
         out = _rabbitmqctl(
-            "list_queues", "-p", self.name, "-q", "--no-table-headers", "name", "messages"
+            "list_queues",
+            "-p",
+            self.name,
+            "-q",
+            "--no-table-headers",
+            "name",
+            "messages_ready",
+            "messages_unacknowledged",
         )
         for line in out.splitlines():
-            name, _, count = line.strip().partition("\t")
+            name, ready, held = line.strip().split("\t")
             if name == QUEUE:
-                return int(count)
-        return 0
+                return int(ready), int(held)
+        return 0, 0
 
 
 def _rabbitmqctl(*args: str) -> str:
