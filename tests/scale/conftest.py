@@ -7,6 +7,7 @@ and on the machine's RabbitMQ a vhost of our own, created for the session and de
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -76,6 +77,31 @@ class Fleet:
     def stop(self) -> None:
         codes = [process.stop() for process in self.processes]
         print(f"--- fleet exit codes {codes} ---\n{self.logs()}")
+
+
+#: What a worker logs when its store gate pauses it, and when it consumes again
+#: (worker/backpressure.py).
+PAUSED = "store refusing writes"
+RESUMED = "taking messages from"
+
+
+@contextlib.contextmanager
+def store_out_of_memory(store: redis.Redis, fleet: Fleet) -> Iterator[None]:
+    """The store out of memory (eviction off: it answers reads, refuses writes) until the
+    block ends, entered once the fleet's workers have logged that they paused; an operator
+    raises the limit at the end."""
+    pauses = fleet.logs().count(PAUSED)
+    store.config_set("maxmemory-policy", "noeviction")
+    store.config_set("maxmemory", int(store.info("memory")["used_memory"]) // 2)
+    try:
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            store.set("out-of-memory-probe", b"x")
+        wait_until(
+            lambda: fleet.logs().count(PAUSED) > pauses, timeout=30, message="workers to pause"
+        )
+        yield
+    finally:
+        store.config_set("maxmemory", 0)
 
 
 def wait_drained(probe: BrokerProbe, timeout: float = 30.0) -> None:

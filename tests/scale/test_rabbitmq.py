@@ -22,7 +22,7 @@ from checkpointq.store.serde import checkpoint_to_wire
 from checkpointq.tasks.dead_letters import DeadLetters, Reason
 from checkpointq.tasks.messages import DELETE, SAVE
 from checkpointq.tasks.producer.client import CheckpointClient
-from tests.scale.conftest import Fleet, wait_drained
+from tests.scale.conftest import RESUMED, Fleet, store_out_of_memory, wait_drained
 from tests.scale.load import all_applied, expected_state, mismatches, mixed_load
 from tests.support.checkpoints import make_checkpoint
 from tests.support.rabbitmq import RabbitVhost
@@ -30,11 +30,6 @@ from tests.support.servers import RedisServer, wait_until
 from tests.support.workers import QUEUE
 
 pytestmark = pytest.mark.integration
-
-#: What a worker logs when its store gate pauses it, and when it consumes again
-#: (worker/backpressure.py).
-PAUSED = "store refusing writes"
-RESUMED = "taking messages from"
 
 
 def wire(session_id: str, version: int) -> dict[str, Any]:
@@ -146,30 +141,19 @@ def test_a_store_out_of_memory_pauses_the_worker_and_saves_wait_in_rabbitmq(
 ) -> None:
     # Given a worker that applied a save through RabbitMQ
     client.wait_durable(client.save(make_checkpoint("amqp-oom-0")), timeout=30)
-    pauses = fleet.logs().count(PAUSED)
-    # When the store runs out of memory (eviction off): it answers reads, refuses writes
-    used = int(store_client.info("memory")["used_memory"])
-    store_client.config_set("maxmemory-policy", "noeviction")
-    store_client.config_set("maxmemory", used // 2)
-    try:
-        with pytest.raises(redis.exceptions.OutOfMemoryError):
-            store_client.set("amqp-oom-probe", b"x")
-        # Then the worker stops taking messages (backpressure cancels its RabbitMQ consumer)
-        wait_until(
-            lambda: fleet.logs().count(PAUSED) > pauses, timeout=30, message="the worker to pause"
-        )
-        # And saves published meanwhile wait in RabbitMQ, taken by nobody
+    # When the store runs out of memory, and the worker has paused (its RabbitMQ consumer
+    # cancelled)
+    with store_out_of_memory(store_client, fleet):
+        # Then saves published meanwhile wait in RabbitMQ, ready: none was delivered to the
+        # worker, nor taken and retried
         handles = [client.save(make_checkpoint(f"amqp-oom-{i}", version=i)) for i in range(1, 21)]
-        # (ready: none was delivered to the worker, nor taken and retried)
         wait_until(lambda: rabbit_vhost.pending() == 20, timeout=30, message="20 saves queued")
         assert rabbit_vhost.counts() == (20, 0)
         assert client.store.load("amqp-oom-20") is None
-    finally:
-        # When an operator raises the limit
-        store_client.config_set("maxmemory", 0)
-    # Then the worker resumes by itself and every save applies: none lost, none dead-lettered
+    # When an operator raises the limit, the worker resumes by itself and every save
+    # applies: none lost, none dead-lettered
     for handle in handles:
         client.wait_durable(handle, timeout=60)
     wait_drained(rabbit_vhost)
     assert DeadLetters(store_client, KeySpace(fleet.settings.key_prefix)).count() == 0
-    assert fleet.logs().count(RESUMED) > 0
+    assert RESUMED in fleet.logs()

@@ -25,12 +25,21 @@ from dataclasses import dataclass, field
 import pytest
 import redis
 
+from checkpointq.store.keys import KeySpace
+from checkpointq.tasks.dead_letters import DeadLetters
 from checkpointq.tasks.errors import BrokerUnavailable
 from checkpointq.tasks.producer.client import CheckpointClient, Handle
-from tests.scale.conftest import Fleet, RedisQueueProbe, wait_drained
+from tests.scale.conftest import (
+    RESUMED,
+    Fleet,
+    RedisQueueProbe,
+    store_out_of_memory,
+    wait_drained,
+)
 from tests.support.checkpoints import make_checkpoint
 from tests.support.sentinel import MASTER_NAME, SentinelGroup
 from tests.support.servers import RedisServer, wait_until
+from tests.support.workers import QUEUE
 
 pytestmark = pytest.mark.integration
 
@@ -71,6 +80,32 @@ def test_saves_through_the_client_are_applied(
     assert client.load("sentinel-3") is None
     assert client.load("sentinel-19").version == 20  # type: ignore[union-attr]
     wait_drained(broker_probe(group))
+
+
+def test_a_store_out_of_memory_pauses_the_worker_and_saves_wait_in_the_sentinel_broker(
+    client: CheckpointClient, fleet: Fleet, group: SentinelGroup, store_client: redis.Redis
+) -> None:
+    # Given a worker that applied a save through the sentinels' master
+    client.wait_durable(client.save(make_checkpoint("sentinel-oom-0")), timeout=30)
+    broker = group.current_master().client()
+    # When the store runs out of memory, and the worker has paused
+    with store_out_of_memory(store_client, fleet):
+        # Then saves published meanwhile wait in the queue: none taken (not in "unacked"),
+        # none taken and retried
+        handles = [
+            client.save(make_checkpoint(f"sentinel-oom-{i}", version=i)) for i in range(1, 21)
+        ]
+        wait_until(lambda: broker.llen(QUEUE) == 20, timeout=30, message="20 saves queued")
+        assert broker.hlen("unacked") == 0
+        assert client.store.load("sentinel-oom-20") is None
+    # When an operator raises the limit, the worker resumes by itself and every save
+    # applies: none lost, none dead-lettered
+    for handle in handles:
+        client.wait_durable(handle, timeout=60)
+    wait_drained(broker_probe(group))
+    assert DeadLetters(store_client, KeySpace(fleet.settings.key_prefix)).count() == 0
+    assert RESUMED in fleet.logs()
+    broker.close()
 
 
 @dataclass
