@@ -56,10 +56,16 @@ class StoreOptions:
     compression_level: int = 1
     #: Refuse to decompress stored values beyond this many bytes (corrupt or hostile data).
     max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED
+    #: Redis Cluster only: at least this often, in seconds, a sweep reads every slot's index
+    #: instead of only those its hint names. This bounds how late a session whose deadline
+    #: the hint cannot know (see ``RedisStore.expire_stale``) is expired and announced.
+    sweep_full_pass_seconds: float = 300.0
 
     def __post_init__(self) -> None:
         if self.ttl_seconds <= 0 or self.tombstone_ttl_seconds <= 0:
             raise ValueError("ttl_seconds and tombstone_ttl_seconds must be positive")
+        if self.sweep_full_pass_seconds <= 0:
+            raise ValueError("sweep_full_pass_seconds must be positive")
         if self.history_cap < 1 or self.max_value_bytes < 64:
             raise ValueError("history_cap must be >= 1 and max_value_bytes >= 64")
 

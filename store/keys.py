@@ -10,6 +10,7 @@ Single Redis (``KeySpace``; prefix ``agentorca-session``, the Go default)::
     agentorca-session.cq:refused:<req>  hash: why request <req> was dead-lettered, and where
     agentorca-session.cq:events         stream of expired/deleted session ids
     agentorca-session.cq:reconcile      hash: where the reconciliation pass stands
+    agentorca-session.cq:sweep-hint     sorted set, cluster only: slot -> earliest deadline
     agentorca-session.cq:write-probe    written by workers and health checks: "can we write?"
 
 Deployments may share one Redis under different prefixes: a prefix holds no ``:`` and does
@@ -35,8 +36,8 @@ index carry the tag of the data key's slot::
 ``<tag>`` is the tag of ``CLUSTER KEYSLOT agentorca-session:<id>`` (a session id holding a
 ``{...}`` hash tag of its own moves its data key, and with it the rest, to that tag's slot).
 There are 16384 deadline indexes, one per slot; listing and sweeping walk them, node by node
-(see ``checkpointq.store.redis``). The sweep lock and the two streams keep their single-Redis
-names (one key each, any slot).
+(see ``checkpointq.store.redis``). The sweep lock, the two streams and the sweep hint keep
+their single-Redis names (one key each, any slot).
 
 Bookkeeping keys name their slot's tag first, so Redis hashes that tag whatever the id
 holds: the prefix may not contain braces, the tag is digits, and the text between the first
@@ -171,6 +172,11 @@ class KeySpace:
         """Where the reconciliation pass stands (phase, node or shard, cursor), shared by
         every worker so that each beat tick carries on from the last (store/reconcile.py)."""
         return f"{self._internal}:reconcile"
+
+    def sweep_hint(self) -> str:
+        """Cluster only: each slot's earliest known deadline, so that a sweep reads only the
+        slot indexes that may hold due sessions (``RedisStore.expire_stale``)."""
+        return f"{self._internal}:sweep-hint"
 
     def beat_prefix(self) -> str:
         """Prefix of beat's schedule and lock (celery-redbeat), so that deployments sharing

@@ -238,11 +238,17 @@ class Reconciler:
         for call in calls:
             keys = [key for session_id in call for key in self.keys.session(session_id).as_list()]
             queue(self.store.scripts.reconcile, pipe, keys, [now_ms, TOLERANCE_MS, *call])
+        new_deadlines: set[int] = set()
         for call, outcomes in zip(calls, pipe.execute(), strict=True):
             for session_id, outcome in zip(call, outcomes, strict=True):
                 name = _OUTCOMES.get(int(outcome))
                 if name is not None:
                     getattr(report, name).append(session_id)
+                if name in ("adopted", "moved"):
+                    new_deadlines.add(self.keys.shard(session_id))
+        # A deadline another writer chose may be earlier than the cluster's sweep hint
+        # expects of its slot: the next sweep reads those slots.
+        self.store.mark_slots_due(new_deadlines, now_ms)
 
     # -- the shared cursor ---------------------------------------------------------------
 

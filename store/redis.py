@@ -8,13 +8,15 @@ not the size of the keyspace.
 On Redis Cluster (see ``store/cluster.py`` for the URLs) the same scripts run unchanged: the
 data key is Go's ``<prefix>:<id>`` there too, and the ``ClusterKeySpace`` puts the session's
 fence and entry in the deadline index of that key's own slot (see ``checkpointq.store.keys``).
-Listing walks the 16384 slot indexes in order; a sweep asks each node for the due ids of all
-the slots it serves, in a few ``due.lua`` calls, so an empty sweep costs a few round trips.
+Listing walks the 16384 slot indexes in order; a sweep reads only the slot indexes that a
+small hint names as possibly due (one call when none is), and every slot's in a periodic full
+pass (see ``_due_on_cluster``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -64,9 +66,17 @@ logger = logging.getLogger(__name__)
 #: trip, small enough that one pipeline never holds Redis for more than a millisecond or so.
 SWEEP_BATCH = 500
 
-#: Slot indexes one ``due.lua`` call reads on a cluster node: about a millisecond of the
-#: node's time when none holds a due session, so no call holds a node for long.
-INDEXES_PER_CALL = 1024
+#: Slot indexes one ``due.lua``, ``page.lua`` or ``count.lua`` call reads on a cluster node:
+#: ~0.3 ms of the node's time when none holds a due session (~1.5 ms on a loaded 2-core
+#: machine), so no call holds a node for long.
+INDEXES_PER_CALL = 256
+
+#: The sweep hint's member whose score is when the next full pass is due.
+HINT_FULL = "full"
+
+#: How far behind another writer's clock may be and its deadlines still be found by the
+#: sweep hint rather than by the next full pass (at most half the TTL).
+HINT_SKEW_MS = 60_000
 
 
 class StoreSettings(Protocol):
@@ -172,6 +182,7 @@ class RedisStore(CheckpointStore):
         self._chunked_by: object = None
         self._chunk_of_slot: list[int] = []
         self._chunk_of_slot_start: list[int] = []
+        self._chunk_starts: list[int] = []
         self._relearn_slots = False
 
     @classmethod
@@ -444,11 +455,8 @@ class RedisStore(CheckpointStore):
 
     def expire_stale(self, now: float | None = None, limit: int = 1000) -> list[str]:
         """Expire up to ``limit`` due sessions: read the due ids from the deadline index (on
-        a cluster, from every slot's, node by node), then run one pipelined expire script
-        per id (each touches one slot only).
-
-        On a cluster each call starts where the last one stopped, so a backlog in some slots
-        delays the others by at most one sweep.
+        a cluster, from the slot indexes the sweep hint names, or every slot's in a full
+        pass), then run one pipelined expire script per id (each touches one slot only).
         """
         now_ms = _ms(self.clock() if now is None else now)
         if isinstance(self.keys, ClusterKeySpace):
@@ -460,22 +468,119 @@ class RedisStore(CheckpointStore):
                 )
         return self._expire([member.decode() for member in due], now_ms)
 
+    # A cluster has 16384 slot indexes, and reading them all costs ~50-100 ms of the masters'
+    # time even when nothing is due. The sweep hint (``KeySpace.sweep_hint``, one sorted set)
+    # records for each slot the earliest deadline its index held when a sweep last read it,
+    # capped at "now + TTL - skew margin", the earliest deadline a save made after that read
+    # can carry. A sweep then reads only the slots whose hint is due: with nothing due, one
+    # call. A save cannot update the hint atomically (it lives in another slot), so the hint
+    # is only as good as that cap: a deadline earlier than it (a writer's clock behind by
+    # more than the margin, a TTL lowered by configuration, a value restored with its
+    # remaining TTL) is found by the next full pass, which reads every slot and rewrites the
+    # hint at least every ``StoreOptions.sweep_full_pass_seconds``. Reconciliation marks
+    # the slots whose deadlines it adopted or moved (``mark_slots_due``); a missing hint
+    # means a full pass. A late sweep never keeps data: every value carries its own Redis
+    # TTL; it only delays dropping the index entry and the ``expired`` event.
+
     def _due_on_cluster(self, now_ms: int, limit: int) -> list[bytes]:
-        """Up to ``limit`` due ids over all slots: ``due.lua`` over runs of at most
-        ``INDEXES_PER_CALL`` of a node's slots, one pipeline per node, the nodes at once."""
+        """Up to ``limit`` due ids: from the slots the sweep hint names, or every slot's
+        when a full pass is due; the hint is then updated with what was read."""
+        with _store_errors("read the sweep hint"):
+            named = self.scripts.hinted(keys=[self.keys.sweep_hint()], args=[now_ms])
+        if named is None or HINT_FULL.encode() in named:
+            return self._full_pass(now_ms, limit)
+        if not named:
+            return []
+        self._chunks_by_node()  # relearns the slot map first if a call failed
+        slots_cache = self.client.nodes_manager.slots_cache
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        for member in named:
+            slot = int(member)
+            node = slots_cache[slot][0]
+            by_node.setdefault(node.name, (node, []))[1].append(slot)
+        runs = [
+            (node, slots[start : start + INDEXES_PER_CALL])
+            for node, slots in by_node.values()
+            for start in range(0, len(slots), INDEXES_PER_CALL)
+        ]
+        due, earliest, _stopped = self._read_slots(runs, now_ms, limit)
+        self._record_hint(earliest, now_ms, full_pass_done=False)
+        return due
+
+    def _full_pass(self, now_ms: int, limit: int) -> list[bytes]:
+        """Read every slot's index, from where the last full pass stopped (so a backlog in
+        early slots cannot starve the rest); rewrite the hint for the slots read, and put
+        the next full pass off only when every slot was read."""
         chunks = self._chunks_by_node()
         start = self._sweep_from % len(chunks)
         order = list(range(start, len(chunks))) + list(range(start))
-        calls: list[_NodeCall] = [(chunks[i][0], [], [now_ms, limit, *chunks[i][1]]) for i in order]
+        runs = [
+            (
+                chunks[i][0],
+                list(range(self._chunk_starts[i], self._chunk_starts[i] + len(chunks[i][1]))),
+            )
+            for i in order
+        ]
+        due, earliest, stopped = self._read_slots(runs, now_ms, limit)
+        if stopped is not None:
+            # These slots may hold more due sessions: the next full pass starts with them.
+            self._sweep_from = order[stopped]
+        self._record_hint(
+            earliest, now_ms, full_pass_done=len(earliest) == REDIS_CLUSTER_HASH_SLOTS
+        )
+        return due
+
+    def _read_slots(
+        self, runs: list[tuple[Any, list[int]]], now_ms: int, limit: int
+    ) -> tuple[list[bytes], dict[int, float], int | None]:
+        """``due.lua`` over each run of one node's slots, one pipeline per node, the nodes at
+        once. Returns up to ``limit`` due ids; the earliest deadline of every slot read
+        (``inf`` for an empty index); and the position of the run where ``limit`` was
+        reached (None if it was not)."""
+        indexes = self.keys.index_keys()
+        calls: list[_NodeCall] = [
+            (node, [], [now_ms, limit, *(indexes[slot] for slot in slots)]) for node, slots in runs
+        ]
         replies = self._on_nodes("list stale sessions", self.scripts.due, calls)
         due: list[bytes] = []
-        for position, reply in zip(order, replies, strict=True):
-            due.extend(reply[: limit - len(due)])
-            if len(due) >= limit:
-                # Resume here next time: these slots may hold more due sessions.
-                self._sweep_from = position
-                break
-        return due
+        earliest: dict[int, float] = {}
+        stopped: int | None = None
+        for position, ((_node, slots), (firsts, ids)) in enumerate(zip(runs, replies, strict=True)):
+            # Fewer earliest deadlines than slots: the call's budget ran out before the rest.
+            for slot, first in zip(slots, firsts, strict=False):
+                earliest[slot] = float(first) if first else math.inf
+            due.extend(ids[: limit - len(due)])
+            if stopped is None and (len(due) >= limit or len(firsts) < len(slots)):
+                stopped = position
+        return due, earliest, stopped
+
+    def _record_hint(
+        self, earliest: dict[int, float], now_ms: int, *, full_pass_done: bool
+    ) -> None:
+        """Write each read slot's earliest deadline into the sweep hint, capped at the
+        earliest a later save can write (a slot with due ids stays due: its earliest is
+        past); with ``full_pass_done``, schedule the next full pass."""
+        clock_ms = min(now_ms, _ms(self.clock()))
+        ttl_ms = _ms(self.options.ttl_seconds)
+        cap = clock_ms + ttl_ms - min(HINT_SKEW_MS, ttl_ms // 2)
+        scores: dict[str, float] = {str(slot): min(first, cap) for slot, first in earliest.items()}
+        if full_pass_done:
+            scores[HINT_FULL] = clock_ms + _ms(self.options.sweep_full_pass_seconds)
+        items = list(scores.items())
+        with _store_errors("record the sweep hint"):
+            for start in range(0, len(items), INDEXES_PER_CALL):
+                self.client.zadd(
+                    self.keys.sweep_hint(), dict(items[start : start + INDEXES_PER_CALL])
+                )
+
+    def mark_slots_due(self, slots: set[int], now_ms: int) -> None:
+        """Cluster only: have the next sweep read these slots' indexes (reconciliation
+        wrote deadlines into them that the sweep hint may not cover)."""
+        if slots and isinstance(self.keys, ClusterKeySpace):
+            with _store_errors("mark slots due in the sweep hint"):
+                self.client.zadd(
+                    self.keys.sweep_hint(), {str(slot): now_ms for slot in slots}, lt=True
+                )
 
     def _on_nodes(
         self,
@@ -551,6 +656,7 @@ class RedisStore(CheckpointStore):
                 chunk_of_slot.append(len(chunks) - 1)
             self._node_chunks, self._chunked_by = chunks, slots
             self._chunk_of_slot = chunk_of_slot
+            self._chunk_starts = chunk_start
             self._chunk_of_slot_start = [chunk_start[c] for c in chunk_of_slot]
         return self._node_chunks
 
@@ -679,6 +785,10 @@ class RedisStore(CheckpointStore):
                         pipe.delete(old.fence(shard, session_id))
                         pipe.zrem(index, session_id)
                     pipe.execute()
+        # The moved sessions kept their remaining TTLs, earlier than the sweep hint expects
+        # of their slots: the next sweep is a full pass.
+        with _store_errors("migrate the sharded layout"):
+            self.client.delete(self.keys.sweep_hint())
         return moved
 
     def ping(self) -> None:

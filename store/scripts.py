@@ -56,6 +56,7 @@ class Scripts:
     load: Script
     reconcile: Script
     due: Script
+    hinted: Script
     page: Script
     count: Script
 
@@ -69,6 +70,7 @@ class Scripts:
             load=client.register_script(script_source("load")),
             reconcile=client.register_script(script_source("reconcile")),
             due=client.register_script(script_source("due")),
+            hinted=client.register_script(script_source("hinted")),
             page=client.register_script(script_source("page")),
             count=client.register_script(script_source("count")),
         )

@@ -131,6 +131,10 @@ class Settings(BaseSettings):
     sweep_interval_seconds: float = Field(default=60.0, gt=0)
     #: Most sessions one sweep expires (the next sweep carries on).
     sweep_limit: int = Field(default=10_000, ge=1)
+    #: Redis Cluster only: seconds between sweeps that read every slot's deadline index; the
+    #: sweeps between read only the slots the sweep hint names (docs/scaling.md). A session
+    #: whose deadline the hint missed (clock skew, a lowered TTL) is expired at most this late.
+    sweep_full_pass_seconds: float = Field(default=300.0, gt=0)
     #: Seconds between beat's reconciliation slices (store/reconcile.py): each adopts keys
     #: other writers (a Go RedisStore) saved alone and drops entries of values they deleted.
     reconcile_interval_seconds: float = Field(default=10.0, gt=0)
@@ -245,6 +249,7 @@ class Settings(BaseSettings):
             tombstone_ttl_seconds=self.tombstone_ttl_seconds,
             history_cap=self.history_cap,
             max_value_bytes=self.max_value_bytes,
+            sweep_full_pass_seconds=self.sweep_full_pass_seconds,
         )
 
     def describe(self) -> dict[str, object]:

@@ -99,6 +99,14 @@ def redis_cluster() -> Iterator[LocalCluster]:
 
 
 @pytest.fixture
+def cluster_store(redis_cluster: LocalCluster) -> Iterator[RedisStore]:
+    """A Redis store on the local cluster, under a prefix of its own."""
+    store = RedisStore.from_url(redis_cluster.url, prefix=f"cl{next(_prefixes)}")
+    yield store
+    store.close()
+
+
+@pytest.fixture
 def store(store_env: StoreEnv) -> CheckpointStore:
     return store_env.store()
 

@@ -5,7 +5,6 @@ contract suite itself runs on the cluster through ``store_env``."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 
 import pytest
 from hypothesis import given
@@ -26,13 +25,6 @@ _prefixes = itertools.count()
 # Hypothesis example, whose deadline a loaded machine would otherwise exceed.
 slot_tags()
 BRACE_IDS = ["{", "}", "{}", "}{", "{x}", "a{b}c", "{17290}:x", "}:{", "{{a}}", "x}:fence:y"]
-
-
-@pytest.fixture
-def cluster_store(redis_cluster: LocalCluster) -> Iterator[RedisStore]:
-    store = RedisStore.from_url(redis_cluster.url, prefix=f"cl{next(_prefixes)}")
-    yield store
-    store.close()
 
 
 def _slot(key: str) -> int:
@@ -247,27 +239,6 @@ def test_go_and_checkpointq_share_the_cluster_on_gos_keys(cluster_store: RedisSt
     assert client.get(f"{prefix}:from-us") is not None
     assert cluster_store.reindex() == 1
     assert sorted(cluster_store.list()) == ["from-go", "from-us"]
-
-
-def test_empty_sweep_asks_each_node_a_few_times_not_each_slot(
-    cluster_store: RedisStore,
-) -> None:
-    # Given sessions on every node, none due
-    for i in range(30):
-        cluster_store.save(make_checkpoint(f"n{i}", messages=0), seq=1)
-    calls: list[int] = []
-    due = cluster_store.scripts.due
-
-    def counting(*args: object, **kwargs: object) -> object:
-        calls.append(1)
-        return due(*args, **kwargs)  # type: ignore[arg-type]
-
-    object.__setattr__(cluster_store.scripts, "due", counting)
-    # When a sweep finds nothing to expire
-    assert cluster_store.expire_stale() == []
-    # Then it read every slot's index in a few calls per node (3 masters, 1024 slots a call)
-    assert len(calls) <= 3 * (-(-5462 // 1024))
-    assert len(calls) >= REDIS_CLUSTER_HASH_SLOTS // 1024
 
 
 def _write_sharded_session(
