@@ -97,9 +97,10 @@ def expire_stale() -> Outcome:
 
 
 def reconcile() -> Outcome:
-    """One slice of reconciling the index with what other writers left (beat runs it)."""
+    """One slice of reconciling the index with what other writers left (beat runs it);
+    each session dropped because its value was deleted directly is announced."""
     rt = runtime.current()
-    return reconcile_slice(rt.store, rt.reconcile_budget)
+    return reconcile_slice(rt.store, rt.reconcile_budget, rt.redis, rt.keys, rt.events_maxlen)
 
 
 # -- policy -------------------------------------------------------------------------------

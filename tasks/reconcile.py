@@ -12,20 +12,31 @@ idempotent script call), so no lock is taken.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from checkpointq.store.base import CheckpointStore
+from checkpointq.store.keys import KeySpace
 from checkpointq.store.model import display_id
+from checkpointq.tasks.events import DROPPED, KEY_GONE, announce
 
 logger = logging.getLogger(__name__)
 
 
-def reconcile_slice(store: CheckpointStore, budget: int) -> dict[str, object]:
-    """Run one slice and log what it changed; return the task's JSON outcome.
+def reconcile_slice(
+    store: CheckpointStore, budget: int, client: Any, keys: KeySpace, events_maxlen: int
+) -> dict[str, object]:
+    """Run one slice, log what it changed, and announce each session it dropped (its value
+    deleted by another writer) as a ``dropped`` event with reason ``key gone`` on the events
+    stream (``checkpointq.tasks.events``, through ``client`` on the store Redis, trimmed to
+    about ``events_maxlen``); return the task's JSON outcome.
 
     Raises:
-        StoreUnavailable: the store Redis could not be reached (the next tick retries).
+        StoreUnavailable: the store Redis could not be reached (the next tick retries; a
+            slice whose drops could not be announced is not run again, so those few go
+            unannounced).
     """
     report = store.reconcile(budget)
+    announce(client, keys, DROPPED, report.dropped, events_maxlen, reason=KEY_GONE)
     for kind, ids in (
         ("adopted", report.adopted),
         ("moved", report.moved),

@@ -9,7 +9,6 @@ deadline atomically), so nothing is double-applied or double-announced.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,11 +19,9 @@ from checkpointq.store.base import CheckpointStore
 from checkpointq.store.keys import KeySpace
 from checkpointq.store.model import display_id
 from checkpointq.tasks.errors import redis_unavailable
+from checkpointq.tasks.events import EXPIRED, announce
 
 logger = logging.getLogger(__name__)
-
-#: Event type of a session removed by the sweep, in the events stream's ``type`` field.
-EXPIRED = "expired"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +50,8 @@ def sweep(
     events_maxlen: int = 100_000,
     lock_seconds: float = 60.0,
 ) -> SweepResult:
-    """Expire up to ``limit`` stale sessions and XADD one ``expired`` event per session.
+    """Expire up to ``limit`` stale sessions and XADD one ``expired`` event per session
+    (``checkpointq.tasks.events``).
 
     Args:
         store: the checkpoint store to sweep.
@@ -76,8 +74,7 @@ def sweep(
         return SweepResult([], locked_out=True)
     try:
         expired = store.expire_stale(limit=limit)
-        if expired:
-            _announce(client, keys, expired, events_maxlen)
+        announce(client, keys, EXPIRED, expired, events_maxlen)
     finally:
         _release(lock)
     if expired:
@@ -86,21 +83,6 @@ def sweep(
     else:
         logger.debug("sweep found nothing to expire")
     return SweepResult(expired, more=len(expired) >= limit)
-
-
-def _announce(client: Any, keys: KeySpace, expired: list[str], maxlen: int) -> None:
-    # One event per session, so a consumer handles each id on its own (XREAD, XREADGROUP).
-    now = repr(time.time())
-    with redis_unavailable("announce expired sessions"):
-        pipe = client.pipeline(transaction=False)
-        for session_id in expired:
-            pipe.xadd(
-                keys.events(),
-                {"type": EXPIRED, "session_id": session_id, "time": now},
-                maxlen=maxlen,
-                approximate=True,
-            )
-        pipe.execute()
 
 
 def _release(lock: Lock) -> None:

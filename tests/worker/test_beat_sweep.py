@@ -105,3 +105,14 @@ def test_beat_reconciliation_adopts_go_written_sessions_and_drops_go_deleted_one
         # And when Go deletes it directly (DEL), it leaves the list again
         redis.delete(keys.data("go-only"))
         wait_until(lambda: "go-only" not in client.list(), timeout=20, message="drop")
+
+        # And the drop is announced on the events stream, saying what happened
+        def dropped() -> list[tuple[bytes, bytes]]:
+            return [
+                (fields[b"session_id"], fields[b"reason"])
+                for _, fields in redis.xrange(keys.events())
+                if fields[b"type"] == b"dropped"
+            ]
+
+        wait_until(lambda: dropped() != [], timeout=10, message="dropped event")
+        assert dropped() == [(b"go-only", b"key gone")]
