@@ -3,10 +3,8 @@ announced on the events stream, once."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 import redis
 
 from checkpointq.store import RedisStore
@@ -14,15 +12,6 @@ from checkpointq.tasks.events import DROPPED, EXPIRED, KEY_GONE
 from checkpointq.tasks.reconcile import reconcile_slice
 from checkpointq.tasks.sweep import sweep
 from tests.support.checkpoints import make_checkpoint
-from tests.support.servers import RedisServer
-
-
-@pytest.fixture
-def client(redis_server: RedisServer) -> Iterator[redis.Redis]:
-    client = redis_server.client()
-    client.flushall()
-    yield client
-    client.close()
 
 
 def _events(client: redis.Redis, store: RedisStore) -> list[dict[str, str]]:
@@ -30,7 +19,8 @@ def _events(client: redis.Redis, store: RedisStore) -> list[dict[str, str]]:
     return [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in entries]
 
 
-def test_session_go_deleted_is_announced_as_dropped_once(client: redis.Redis) -> None:
+def test_session_go_deleted_is_announced_as_dropped_once(redis_client: redis.Redis) -> None:
+    client = redis_client
     # Given two sessions we saved, one of which Go then deletes directly (DEL, no tombstone)
     store = RedisStore(client, prefix="rt")
     assert store.save(make_checkpoint("kept"), seq=1).applied
@@ -50,7 +40,8 @@ def test_session_go_deleted_is_announced_as_dropped_once(client: redis.Redis) ->
     assert float(events[0]["time"]) > 0
 
 
-def test_expired_events_keep_their_shape(client: redis.Redis) -> None:
+def test_expired_events_keep_their_shape(redis_client: redis.Redis) -> None:
+    client = redis_client
     # Given a session past its deadline
     now = [1_000_000.0]
     store = RedisStore(client, prefix="rt", clock=lambda: now[0])
