@@ -23,6 +23,11 @@ type Config struct {
 	Broker Redis
 	// Store is the store Redis (CHECKPOINTQ_STORE_URL); nil: the broker's.
 	Store Redis
+	// Cluster says the store is a Redis Cluster (a redis+cluster:// CHECKPOINTQ_STORE_URL):
+	// the client then uses the cluster key layout, and Store must route each command to
+	// the node serving its first key's slot, following MOVED (go-redis's ClusterClient
+	// does; README.md). A cluster store needs Redis 7 or later.
+	Cluster bool
 	// Queue is the broker list (CHECKPOINTQ_QUEUE); default "checkpoints".
 	Queue string
 	// Prefix of every store key (CHECKPOINTQ_KEY_PREFIX); default DefaultPrefix.
@@ -132,7 +137,7 @@ func New[C any](cfg Config) *Client[C] {
 		panic(err)
 	}
 	return &Client[C]{
-		cfg: cfg, keys: keySpace{cfg.Prefix}, clock: newSeqClock(cfg.Now),
+		cfg: cfg, keys: keySpace{prefix: cfg.Prefix, cluster: cfg.Cluster}, clock: newSeqClock(cfg.Now),
 		fields:  fieldsOf(reflect.TypeOf((*C)(nil)).Elem()),
 		replyTo: replyTo, origin: origin(),
 	}
@@ -327,17 +332,36 @@ func (c *Client[C]) LoadWithSeq(ctx context.Context, sessionID string) (*C, int6
 }
 
 // List returns every live session id, sorted (Store.List). It reads checkpointq's
-// deadline index rather than SCANning the keyspace, so its cost follows the sessions.
+// deadline index rather than SCANning the keyspace, so its cost follows the sessions (on
+// a cluster, every slot's index: see listCluster).
 func (c *Client[C]) List(ctx context.Context) ([]string, error) {
 	ctx, cancel := c.readContext(ctx)
 	defer cancel()
 	now := c.cfg.Now().UnixMilli()
 	seen := make(map[string]struct{})
+	list := c.listIndex
+	if c.keys.cluster {
+		list = c.listCluster
+	}
+	if err := list(ctx, now, seen); err != nil {
+		return nil, fmt.Errorf("%w: list sessions: %v", ErrStoreUnavailable, err)
+	}
+	ids := make([]string, 0, len(seen))
+	for id := range seen {
+		ids = append(ids, id)
+	}
+	sort.Strings(ids)
+	return ids, nil
+}
+
+// listIndex adds to seen the ids of the single-Redis deadline index whose deadline is
+// after now (ms).
+func (c *Client[C]) listIndex(ctx context.Context, now int64, seen map[string]struct{}) error {
 	var cursor uint64
 	for {
 		pairs, next, err := c.cfg.Store.ZScan(ctx, c.keys.index(), cursor, 1000)
 		if err != nil {
-			return nil, fmt.Errorf("%w: list sessions: %v", ErrStoreUnavailable, err)
+			return err
 		}
 		for i := 0; i+1 < len(pairs); i += 2 {
 			deadline, err := strconv.ParseFloat(pairs[i+1], 64)
@@ -346,15 +370,9 @@ func (c *Client[C]) List(ctx context.Context) ([]string, error) {
 			}
 		}
 		if cursor = next; cursor == 0 {
-			break
+			return nil
 		}
 	}
-	ids := make([]string, 0, len(seen))
-	for id := range seen {
-		ids = append(ids, id)
-	}
-	sort.Strings(ids)
-	return ids, nil
 }
 
 func (c *Client[C]) readContext(ctx context.Context) (context.Context, context.CancelFunc) {
@@ -383,7 +401,7 @@ func (c *Client[C]) WaitDurable(ctx context.Context, h Handle) (Result, error) {
 	var storeErr error // the last read's failure (nil once a read succeeded since)
 	succeeded := false
 	for {
-		reply, err := c.cfg.Store.Eval(ctx, outcomeScript, keys)
+		reply, err := c.readOutcome(ctx, keys)
 		if err == nil {
 			res, done, err := c.decide(h, reply)
 			if done || err != nil {
@@ -411,6 +429,32 @@ func (c *Client[C]) WaitDurable(ctx context.Context, h Handle) (Result, error) {
 			delay = 250 * time.Millisecond
 		}
 	}
+}
+
+// readOutcome reads the fence and the refusal record keys name, as outcomeScript's reply:
+// in one script call on a single Redis, in two on a cluster, where the two keys are in
+// different slots (the Python client pipelines the same two reads, fence first).
+func (c *Client[C]) readOutcome(ctx context.Context, keys []string) (interface{}, error) {
+	if !c.keys.cluster {
+		return c.cfg.Store.Eval(ctx, outcomeScript, keys)
+	}
+	fence, err := c.cfg.Store.Eval(ctx, hmgetScript, keys[:1], "seq", "deleted", "req")
+	if err != nil {
+		return nil, err
+	}
+	refusal, err := c.cfg.Store.Eval(ctx, hmgetScript, keys[1:], "kind", "reason", "entry")
+	if err != nil {
+		return nil, err
+	}
+	f, err := replyList(fence, 3)
+	if err != nil {
+		return nil, err
+	}
+	r, err := replyList(refusal, 3)
+	if err != nil {
+		return nil, err
+	}
+	return append(append(make([]interface{}, 0, 6), f...), r...), nil
 }
 
 // decide reads outcomeScript's reply: done is true once h's outcome is known.

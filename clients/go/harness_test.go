@@ -36,7 +36,7 @@ func freePort() (int, error) {
 	return l.Addr().(*net.TCPAddr).Port, nil
 }
 
-func startRedis() (*redisServer, error) {
+func startRedis(extraArgs ...string) (*redisServer, error) {
 	bin, err := exec.LookPath("redis-server")
 	if err != nil {
 		return nil, fmt.Errorf("redis-server not on PATH (scripts/test-go installs it): %w", err)
@@ -50,8 +50,10 @@ func startRedis() (*redisServer, error) {
 		return nil, err
 	}
 	s := &redisServer{Addr: fmt.Sprintf("127.0.0.1:%d", port), dir: dir}
-	s.cmd = exec.Command(bin, "--port", fmt.Sprint(port), "--bind", "127.0.0.1",
-		"--save", "", "--appendonly", "no", "--dir", dir, "--logfile", filepath.Join(dir, "redis.log"))
+	args := append([]string{"--port", fmt.Sprint(port), "--bind", "127.0.0.1",
+		"--save", "", "--appendonly", "no", "--dir", dir, "--logfile", filepath.Join(dir, "redis.log")},
+		extraArgs...)
+	s.cmd = exec.Command(bin, args...)
 	if err := s.cmd.Start(); err != nil {
 		return nil, err
 	}
@@ -99,7 +101,7 @@ type worker struct {
 	dir string
 }
 
-func startWorker(broker, store *redisServer) (*worker, error) {
+func startWorker(brokerURL, storeURL string) (*worker, error) {
 	bin := os.Getenv("CHECKPOINTQ_BIN")
 	if bin == "" {
 		return nil, fmt.Errorf("CHECKPOINTQ_BIN is not set: run the Go tests with scripts/test-go, which sets it to .venv/bin/checkpointq")
@@ -121,8 +123,8 @@ func startWorker(broker, store *redisServer) (*worker, error) {
 		}
 	}
 	env = append(env,
-		"CHECKPOINTQ_BROKER_URL="+broker.URL(),
-		"CHECKPOINTQ_STORE_URL="+store.URL(),
+		"CHECKPOINTQ_BROKER_URL="+brokerURL,
+		"CHECKPOINTQ_STORE_URL="+storeURL,
 		"CHECKPOINTQ_QUEUE=checkpoints",
 		"CHECKPOINTQ_POOL=prefork",
 		"CHECKPOINTQ_CONCURRENCY=2",
@@ -256,15 +258,19 @@ func run(m *testing.M) int {
 		return 1
 	}
 	defer store.Stop()
-	w, err := startWorker(broker, store)
+	w, err := startWorker(broker.URL(), store.URL())
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
 	env = &deployment{broker: broker, store: store, worker: w}
+	defer stopClusterDeployment()
 	code := m.Run()
 	if code != 0 {
 		fmt.Fprintf(os.Stderr, "--- worker log ---\n%s\n", w.Log())
+		if clusterEnv != nil {
+			fmt.Fprintf(os.Stderr, "--- cluster worker log ---\n%s\n", clusterEnv.worker.Log())
+		}
 	}
 	w.Stop()
 	return code

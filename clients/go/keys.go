@@ -1,10 +1,30 @@
 package checkpointq
 
-// Keys of the single-Redis layout (store/keys.py, KeySpace): the checkpoint where the Go
-// RedisStore keeps it, and checkpointq's bookkeeping under "<prefix>.cq:". The Redis Cluster
-// layout (ClusterKeySpace) is not supported by this client.
+import (
+	"strconv"
+	"strings"
+	"sync"
+)
+
+// Keys of the store (store/keys.py): the checkpoint where the Go RedisStore keeps it, and
+// checkpointq's bookkeeping under "<prefix>.cq:".
+//
+// Single Redis (KeySpace):
+//
+//	<prefix>:<id>                 the checkpoint
+//	<prefix>.cq:fence:<id>        its fence hash
+//	<prefix>.cq:deadlines         the deadline index
+//	<prefix>.cq:refused:<req>     request <req>'s refusal record
+//
+// Redis Cluster (ClusterKeySpace): the data key and the refusal record are the same, while
+// a session's fence and deadline index carry the hash tag of its data key's slot, so that
+// one script reads the value and the fence:
+//
+//	<prefix>.cq:{<tag>}:fence:<id>
+//	<prefix>.cq:{<tag>}:slot-deadlines    one index per slot, 16384 in all
 type keySpace struct {
-	prefix string
+	prefix  string
+	cluster bool
 }
 
 // DefaultPrefix is the Go RedisStore's key prefix.
@@ -12,6 +32,79 @@ const DefaultPrefix = "agentorca-session"
 
 func (k keySpace) data(sessionID string) string    { return k.prefix + ":" + sessionID }
 func (k keySpace) internal() string                { return k.prefix + ".cq" }
-func (k keySpace) fence(sessionID string) string   { return k.internal() + ":fence:" + sessionID }
 func (k keySpace) index() string                   { return k.internal() + ":deadlines" }
 func (k keySpace) refused(requestID string) string { return k.internal() + ":refused:" + requestID }
+
+func (k keySpace) fence(sessionID string) string {
+	if k.cluster {
+		return k.internal() + ":{" + slotTag(keySlot(k.data(sessionID))) + "}:fence:" + sessionID
+	}
+	return k.internal() + ":fence:" + sessionID
+}
+
+// slotIndex is the cluster layout's deadline index of the sessions whose data keys hash
+// to slot.
+func (k keySpace) slotIndex(slot int) string {
+	return k.internal() + ":{" + slotTag(slot) + "}:slot-deadlines"
+}
+
+// clusterSlots is the number of Redis Cluster hash slots.
+const clusterSlots = 16384
+
+// keySlot is Redis Cluster's CLUSTER KEYSLOT: CRC16 of the key, or of its hash tag (the
+// text between the first "{" and the first "}" after it, when not empty), mod 16384.
+func keySlot(key string) int {
+	if open := strings.IndexByte(key, '{'); open >= 0 {
+		if end := strings.IndexByte(key[open+1:], '}'); end > 0 {
+			key = key[open+1 : open+1+end]
+		}
+	}
+	return int(crc16(key) % clusterSlots)
+}
+
+// crc16Table is CRC-16/XMODEM (polynomial 0x1021, initial value 0), Redis Cluster's CRC16.
+var crc16Table = func() (t [256]uint16) {
+	for i := range t {
+		crc := uint16(i) << 8
+		for bit := 0; bit < 8; bit++ {
+			if crc&0x8000 != 0 {
+				crc = crc<<1 ^ 0x1021
+			} else {
+				crc <<= 1
+			}
+		}
+		t[i] = crc
+	}
+	return t
+}()
+
+func crc16(s string) uint16 {
+	var crc uint16
+	for i := 0; i < len(s); i++ {
+		crc = crc<<8 ^ crc16Table[byte(crc>>8)^s[i]]
+	}
+	return crc
+}
+
+var (
+	slotTagsOnce sync.Once
+	slotTags     []string
+)
+
+// slotTag is the hash-tag text that places a key in slot: the smallest decimal number
+// whose CRC16 is that slot (store/keys.py, slot_tags: part of the stored layout). The
+// table is computed once, on first use (~110k CRC16s of short strings).
+func slotTag(slot int) string {
+	slotTagsOnce.Do(func() {
+		tags := make([]string, clusterSlots)
+		for missing, n := clusterSlots, 0; missing > 0; n++ {
+			text := strconv.Itoa(n)
+			if s := keySlot(text); tags[s] == "" {
+				tags[s] = text
+				missing--
+			}
+		}
+		slotTags = tags
+	})
+	return slotTags[slot]
+}

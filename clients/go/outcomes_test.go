@@ -74,7 +74,13 @@ func TestSkewedReplicasLoseNoSave(t *testing.T) {
 }
 
 func TestWaitDurableTellsAppliedFromSuperseded(t *testing.T) {
-	c := newClient[Checkpoint](t, Config{})
+	appliedThenSuperseded(t, newClient[Checkpoint](t, Config{}))
+}
+
+// appliedThenSuperseded saves a session twice, then deletes it, checking each request's
+// outcome as the next one lands.
+func appliedThenSuperseded(t *testing.T, c *Client[Checkpoint]) {
+	t.Helper()
 	ctx := background(t)
 	id := sessionID(t, "s")
 	older, err := c.SaveAsync(ctx, sampleCheckpoint(id, 1))
@@ -155,11 +161,16 @@ func TestSilentStoreFailsReadsWithinTheirTimeout(t *testing.T) {
 	}
 }
 
-func TestWaitDurableRaisesWithTheReasonOfARefusedRequest(t *testing.T) {
-	// A producer whose clock runs 10 minutes ahead: the worker allows 5 and dead-letters it.
-	ahead := newClient[Checkpoint](t, Config{Now: func() time.Time { return time.Now().Add(10 * time.Minute) }})
+// aheadClock is a producer clock 10 minutes ahead: the worker allows 5 and dead-letters
+// its requests.
+func aheadClock() time.Time { return time.Now().Add(10 * time.Minute) }
+
+// mustBeRefused saves a checkpoint with ahead, whose clock is aheadClock, and checks that
+// WaitDurable says why the worker refused it.
+func mustBeRefused(t *testing.T, ahead *Client[Checkpoint]) *RefusedError {
+	t.Helper()
 	ctx := background(t)
-	h, err := ahead.SaveAsync(ctx, sampleCheckpoint(sessionID(t, "x"), 1))
+	h, err := ahead.SaveAsync(ctx, sampleCheckpoint(sessionID(t, "ahead"), 1))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -171,6 +182,11 @@ func TestWaitDurableRaisesWithTheReasonOfARefusedRequest(t *testing.T) {
 	if refused.Kind != "invalid_input" || !strings.Contains(refused.Reason, "ahead") || refused.Entry == "" {
 		t.Fatalf("refusal = %+v", refused)
 	}
+	return refused
+}
+
+func TestWaitDurableRaisesWithTheReasonOfARefusedRequest(t *testing.T) {
+	refused := mustBeRefused(t, newClient[Checkpoint](t, Config{Now: aheadClock}))
 	entries, err := redis.Values(env.store.Do("XRANGE", DefaultPrefix+".cq:dead-letters", refused.Entry, refused.Entry))
 	if err != nil || len(entries) != 1 {
 		t.Fatalf("dead letter %s: %v, %v", refused.Entry, entries, err)

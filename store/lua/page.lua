@@ -1,5 +1,7 @@
 #!lua flags=no-writes,allow-cross-slot-keys
 -- page.lua: one page of live session ids from consecutive slot indexes of one cluster node.
+-- clients/go/cluster.go carries a variant of this script for a caller that routes by
+-- key and knows no slot map: keep the two in step.
 --
 -- Keys come in ARGV and the script is sent to the node directly, as due.lua (see there):
 -- every index named must be in a slot that node serves. Read-only.
