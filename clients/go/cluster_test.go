@@ -214,6 +214,20 @@ func TestClusterListWalksEverySlotOneNodeRunPerCall(t *testing.T) {
 		t.Fatalf("List() made %d script calls", calls)
 	}
 
+	// No sessions at all: one call per run of at most 1,024 of a node's slots.
+	empty := &countingRedis{Redis: store}
+	ids, err := New[Checkpoint](Config{Broker: store, Store: empty, Prefix: "golist-empty", Cluster: true}).List(ctx)
+	runs, start := 0, 0
+	for slot := 1; slot <= clusterSlots; slot++ {
+		if slot == clusterSlots || slot-start == indexesPerCall || store.slots[slot] != store.slots[start] {
+			runs, start = runs+1, slot
+		}
+	}
+	if err != nil || len(ids) != 0 || empty.evals.Load() != int64(runs) {
+		t.Fatalf("List() of no sessions = %q, %v in %d calls, want none in %d", ids, err, empty.evals.Load(), runs)
+	}
+	t.Logf("List() of no sessions: %d script calls", runs)
+
 	// A stale slot map (every slot on the first node): the adapter follows MOVED.
 	for slot := range store.slots {
 		store.slots[slot] = store.seeds[0]
