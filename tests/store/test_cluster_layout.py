@@ -20,6 +20,7 @@ from tests.support.checkpoints import make_checkpoint
 from tests.support.cluster import LocalCluster
 from tests.support.servers import free_port
 
+#: Prefixes of the stores built here: "cu<n>", apart from the conftest's cluster_store ("cl<n>").
 _prefixes = itertools.count()
 # The per-slot tags are computed once per process (~110k CRC16s): here, not inside the first
 # Hypothesis example, whose deadline a loaded machine would otherwise exceed.
@@ -96,7 +97,7 @@ def test_cluster_is_chosen_by_scheme_or_option(url: str, cluster: bool) -> None:
 def test_both_url_spellings_build_a_cluster_store(redis_cluster: LocalCluster) -> None:
     port = redis_cluster.nodes[1].port
     for url in (redis_cluster.url, f"redis://127.0.0.1:{port}/0?cluster=true"):
-        store = RedisStore.from_url(url, prefix=f"cl{next(_prefixes)}")
+        store = RedisStore.from_url(url, prefix=f"cu{next(_prefixes)}")
         try:
             assert isinstance(store.client, RedisCluster)
             assert isinstance(store.keys, ClusterKeySpace)
