@@ -45,6 +45,17 @@ STAGING = "bench-staging"
 #: Worker kinds (see the module docstring) -> the Celery app they run.
 APPS = {"plain": "bench.plain_app", "noop": "bench.noop_app", "save": "checkpointq.worker.app"}
 
+#: Our worker as the image, ``checkpointq up`` and users start it: the console script
+#: (``python -m checkpointq.worker.cli`` where it is not installed), with the settings of the
+#: environment and Celery's INFO log, which says when the worker is ready.
+_SCRIPT = Path(sys.executable).parent / "checkpointq"
+DEPLOYED = [
+    *([str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "checkpointq.worker.cli"]),
+    "worker",
+    "-l",
+    "INFO",
+]
+
 
 @contextmanager
 def running_worker(
@@ -54,10 +65,12 @@ def running_worker(
     concurrency: int = 2,
     kind: str = "save",
     settings: dict[str, object] | None = None,
+    command: list[str] | None = None,
 ) -> Iterator[CeleryProcess]:
     """One worker of ``kind`` on ``broker``'s ``QUEUE``, stopped afterwards.
 
-    ``settings`` are further ``CHECKPOINTQ_*`` settings for our workers.
+    ``settings`` are further ``CHECKPOINTQ_*`` settings for our workers; ``command`` starts
+    ours another way than ``celery -A`` (``DEPLOYED``: ``checkpointq worker``).
     """
     env = checkpointq_env(
         broker_url=broker.url,
@@ -70,7 +83,7 @@ def running_worker(
     )
     env.update(BENCH_BROKER_URL=broker.url, BENCH_QUEUE=QUEUE)
     extra = ["-P", pool, "-c", str(concurrency)] if kind == "plain" else []
-    worker = CeleryProcess("worker", env, app=APPS[kind], extra_args=extra)
+    worker = CeleryProcess("worker", env, app=APPS[kind], extra_args=extra, command=command)
     worker.start(ready="ready.", timeout=60)
     try:
         yield worker

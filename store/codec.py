@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import io
 import threading
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-import zstandard
+if TYPE_CHECKING:
+    import zstandard
 
 #: Every zstd frame starts with these four bytes (RFC 8878, section 3.1.1).
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -19,6 +22,14 @@ ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 DEFAULT_MAX_DECOMPRESSED = 64 * 1024 * 1024
 
 _JSON_START = frozenset(b" \t\r\n{")
+
+
+def _zstd() -> ModuleType:
+    """The zstandard module, imported on first use: a worker's main process builds stores
+    but never compresses, and need not carry the extension."""
+    import zstandard
+
+    return zstandard
 
 
 class CodecError(ValueError):
@@ -40,16 +51,22 @@ class ValueCodec:
     def _compressor(self) -> zstandard.ZstdCompressor:
         cctx: zstandard.ZstdCompressor | None = getattr(self._local, "cctx", None)
         if cctx is None:
-            cctx = zstandard.ZstdCompressor(level=self.level, write_content_size=True)
+            cctx = _zstd().ZstdCompressor(level=self.level, write_content_size=True)
             self._local.cctx = cctx
         return cctx
 
     def _decompressor(self) -> zstandard.ZstdDecompressor:
         dctx: zstandard.ZstdDecompressor | None = getattr(self._local, "dctx", None)
         if dctx is None:
-            dctx = zstandard.ZstdDecompressor()
+            dctx = _zstd().ZstdDecompressor()
             self._local.dctx = dctx
         return dctx
+
+    def warm_up(self) -> None:
+        """Import zstd and build this thread's contexts now (about 15 ms), so that the first
+        request a pool process runs does not wait for them."""
+        self._compressor()
+        self._decompressor()
 
     def encode(self, json_bytes: bytes) -> bytes:
         """Compress JSON bytes into one zstd frame (with its content size, as Go reads it)."""
@@ -69,6 +86,7 @@ class ValueCodec:
 
     def _decode_zstd(self, stored: bytes) -> bytes:
         limit = self.max_decompressed
+        zstandard = _zstd()
         try:
             size = zstandard.frame_content_size(stored)
             if 0 <= size <= limit:

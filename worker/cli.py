@@ -371,7 +371,22 @@ def worker(as_json: bool, **run: Any) -> None:
         # Mingle and gossip talk over the same broadcast channel as remote control; without
         # it they only cost a second at start-up and a message per worker event.
         argv += ["--without-mingle", "--without-gossip"]
-    app.worker_main(argv)
+    _run_celery_worker(app, argv)
+
+
+def _run_celery_worker(app: Any, argv: list[str]) -> None:
+    """Run ``celery worker`` with ``argv`` through Celery's own ``worker`` command.
+
+    ``app.worker_main`` would load Celery's whole CLI first (``celery.bin.celery``: every
+    subcommand, click-repl, prompt_toolkit, pygments), about 6 MB of the worker's main
+    process for commands it never runs. The ``worker`` command alone parses the same options
+    and starts the same worker.
+    """
+    from celery.bin.base import CLIContext
+    from celery.bin.worker import worker as celery_worker
+
+    obj = CLIContext(app=app, no_color=False, workdir=None, quiet=False)
+    celery_worker.main(args=argv[1:], prog_name="celery worker", obj=obj, standalone_mode=False)
 
 
 @cli.command(short_help="Run beat: it schedules the sweep of expired sessions.")

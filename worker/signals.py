@@ -17,9 +17,9 @@ _PER_REQUEST_LOGGERS = ("celery.app.trace", "celery.worker.strategy")
 def _on_process_init(**_: Any) -> None:
     # A forked child inherits the parent's Redis connection pool, sockets and all; two
     # processes sharing a socket interleave replies. Drop it and build our own now, so the
-    # first task does not pay for it.
+    # first task does not pay for it, nor for loading zstd (the main process never does).
     runtime.reset()
-    runtime.current()
+    runtime.current().store.codec.warm_up()
 
 
 def _on_setup_logger(loglevel: int, **_: Any) -> None:

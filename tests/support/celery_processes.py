@@ -32,6 +32,9 @@ class CeleryProcess:
     env: dict[str, str]
     app: str = "checkpointq.worker.app"
     extra_args: list[str] = field(default_factory=list)
+    #: Run this instead of ``python -m celery -A <app> <role>`` (``checkpointq worker``, as
+    #: deployed), followed by ``extra_args``.
+    command: list[str] | None = None
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cq-celery-")))
     process: subprocess.Popen[bytes] | None = None
 
@@ -44,7 +47,9 @@ class CeleryProcess:
 
     def start(self, ready: str | None = None, timeout: float = 30.0) -> CeleryProcess:
         args = [sys.executable, "-m", "celery", "-A", self.app, self.role, "-l", "INFO"]
-        if self.role == "worker":
+        if self.command is not None:
+            args = list(self.command)
+        elif self.role == "worker":
             args += [
                 "--without-gossip",
                 "--without-mingle",

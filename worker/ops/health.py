@@ -29,7 +29,6 @@ from typing import Any
 import redis
 from celery import Celery, bootsteps
 from celery.worker import state as worker_state
-from redbeat.schedulers import RedBeatConfig, RedBeatSchedulerEntry
 from redis.exceptions import RedisClusterException
 
 from checkpointq.store import probe
@@ -231,6 +230,10 @@ def next_sweep(settings: Settings, client: Any) -> float | None:
     the schedule there unless ``beat_url`` says otherwise (a cluster store), in which case a
     client on that Redis is opened for this read. The key names come from RedBeat itself.
     """
+    # Imported here: only `checkpointq health` reads beat's schedule, and RedBeat (with
+    # tenacity) would otherwise cost every worker's main process about 1 MB.
+    from redbeat.schedulers import RedBeatConfig, RedBeatSchedulerEntry
+
     app = Celery("checkpointq-health", set_as_current=False)
     app.conf.update(beat_config(settings))
     app.redbeat_conf = RedBeatConfig(app)
