@@ -97,10 +97,14 @@ def parse_rfc3339(value: str) -> datetime | None:
 
 
 def format_rfc3339(value: datetime) -> str:
-    """Format as Go's metav1.Time does: UTC, second precision, ``Z`` suffix."""
-    if value.tzinfo is None:
-        value = value.replace(tzinfo=UTC)
-    return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    """Format as Go's metav1.Time does: UTC, second precision, ``Z`` suffix, and always a
+    four-digit year (``strftime("%Y")`` writes year 5 as ``5``, which Go cannot read)."""
+    if value.tzinfo is not None and value.utcoffset():
+        value = value.astimezone(UTC)
+    return (
+        f"{value.year:04d}-{value.month:02d}-{value.day:02d}"
+        f"T{value.hour:02d}:{value.minute:02d}:{value.second:02d}Z"
+    )
 
 
 class _WireModel(BaseModel):

@@ -49,16 +49,33 @@ def _document(session_id: str, version: int = 1, cost: str = "") -> dict[str, An
     }
 
 
-def test_we_read_byte_for_byte_what_go_wrote(go_store: GoStore, real_redis: redis.Redis) -> None:
-    go_store.save(FULL)
-    raw = real_redis.get("agentorca-session:sess-42")
+def _go_and_our_bytes(
+    go_store: GoStore, real_redis: redis.Redis, document: dict[str, Any]
+) -> tuple[bytes, bytes]:
+    """The JSON Go stored for ``document``, and ours for the checkpoint we load from it."""
+    go_store.save(document)
+    raw = real_redis.get(f"agentorca-session:{document['sessionId']}")
     assert isinstance(raw, bytes)
     go_json = zstandard.ZstdDecompressor().decompress(raw, max_output_size=1 << 20)
-    loaded = RedisStore(real_redis).load("sess-42")
+    loaded = RedisStore(real_redis).load(document["sessionId"])
     assert loaded is not None
+    return go_json, serialize_checkpoint(loaded)
+
+
+def test_we_read_byte_for_byte_what_go_wrote(go_store: GoStore, real_redis: redis.Redis) -> None:
+    go_json, ours = _go_and_our_bytes(go_store, real_redis, FULL)
     # Our serializer writes exactly the bytes Go's json.Marshal wrote (escapes included).
-    assert serialize_checkpoint(loaded) == go_json
+    assert ours == go_json
     assert 0 < real_redis.ttl("agentorca-session:sess-42") <= GO_TTL_SECONDS
+
+
+def test_times_before_year_1000_are_written_as_go_writes_them(
+    go_store: GoStore, real_redis: redis.Redis
+) -> None:
+    early = {**FULL, "metadata": {"startTime": "0005-06-07T08:09:10Z"}}
+    go_json, ours = _go_and_our_bytes(go_store, real_redis, early)
+    assert b'"startTime":"0005-06-07T08:09:10Z"' in go_json
+    assert ours == go_json
 
 
 def test_go_reads_what_we_wrote(go_store: GoStore, real_redis: redis.Redis) -> None:

@@ -43,6 +43,9 @@ def test_attributes_are_snake_case_and_json_is_camel_case() -> None:
         ("2026-12-02T08:30:00.987654321Z", "2026-12-02T08:30:00Z"),
         ("2026-12-02T09:30:00+01:00", "2026-12-02T08:30:00Z"),
         ("2026-12-02T03:00:00.5-05:30", "2026-12-02T08:30:00Z"),
+        # Go writes every year with four digits; a year below 1000 too.
+        ("0005-06-07T08:09:10Z", "0005-06-07T08:09:10Z"),
+        ("0999-12-31T23:59:59Z", "0999-12-31T23:59:59Z"),
     ],
 )
 def test_any_rfc3339_time_is_read_and_written_as_utc_seconds(written: str, expected: str) -> None:
