@@ -22,26 +22,41 @@ Wrapping the ``loads`` that kombu's Redis module calls would also change how it 
 unacknowledged messages (the same name decodes them), and a ``Message`` subclass is built
 only after the raw item is gone, so it could not record what arrived. Replacing the one
 method keeps the change to the one place where a raw item and its queue are both in hand.
+
+The reader also fills the prefetch window in one round trip after each BRPOP
+(``worker/reserve.py``) and delivers each message with the message built once, not twice
+(kombu built it in the reader's check and again in its delivery callback), and without a
+second ``unacked`` write for what the reserve script already recorded. For that it
+remembers, per queue, the consumer callback kombu's ``basic_consume`` registered (the
+wrapper below); the pinned-source test covers the kombu code it mirrors.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+from dataclasses import dataclass
 from queue import Empty
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
 from kombu.utils.json import loads as kombu_loads
 
 from checkpointq.store.errors import StoreUnavailable
 from checkpointq.tasks.dead_letters import Reason
 from checkpointq.tasks.refusals import refuse
-from checkpointq.worker import backpressure
+from checkpointq.worker import backpressure, reserve
 
 logger = logging.getLogger(__name__)
 
 #: kombu's own reader, kept to tell whether ours is installed.
 _KOMBU_BRPOP_READ = kombu_redis.Channel._brpop_read
+#: kombu's consume (ours wraps it) and the virtual one whose delivery callback ours mirrors.
+_KOMBU_BASIC_CONSUME: Any = kombu_redis.Channel.basic_consume
+_KOMBU_VIRTUAL_BASIC_CONSUME: Any = virtual.Channel.basic_consume
+#: The local half of kombu's Redis ``QoS.append`` (its ``super().append``).
+_VIRTUAL_QOS_APPEND: Any = virtual.QoS.append
 
 
 def _text(value: bytes | str) -> str:
@@ -78,10 +93,12 @@ def _refuse(
     queue: str,
     exc: BaseException,
     payload: Any = None,
+    tag: str | None = None,
 ) -> None:
     """Record an undecodable item; if the store is down, put the item back in the queue.
 
-    ``payload`` is the item's JSON when it parsed (None otherwise).
+    ``payload`` is the item's JSON when it parsed (None otherwise). ``tag``: the item was
+    recorded in ``unacked`` by the reserve script, and leaves it here.
     """
     reason = f"queue item is not a Celery message ({type(exc).__name__}: {exc})"
     task, task_id = _named(payload)
@@ -95,17 +112,106 @@ def _refuse(
             headers={"queue": queue},
         )
     except StoreUnavailable as down:
-        # Popped, never in the ``unacked`` hash: back at the far end of the list it goes, and
-        # the worker stops consuming until the store takes writes (it comes round again then).
-        # Should the broker refuse that too, DeadLetters.add has logged the whole item.
+        # Back at the far end of the list it goes, and the worker stops consuming until the
+        # store takes writes (it comes round again then). Should the broker refuse that too,
+        # DeadLetters.add has logged the whole item.
         logger.error("could not dead-letter a malformed item from %s; put it back", queue)
-        with channel.conn_or_acquire() as client:  # as kombu's own _put: not the BRPOP one
-            client.lpush(key, item)
+        if tag is not None:
+            reserve.forget(channel, tag, requeue=(_bytes(key), item))
+        else:
+            with channel.conn_or_acquire() as client:  # as kombu's own _put: not the BRPOP one
+                client.lpush(key, item)
         backpressure.trip(str(down))
+    else:
+        if tag is not None:
+            reserve.forget(channel, tag)
+
+
+def _bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
+@dataclass(frozen=True, slots=True)
+class _Consumer:
+    """What kombu's ``basic_consume`` registered for a queue: its delivery callback (which
+    builds the message, records it and calls the consumer), and the parts it closes over."""
+
+    registered: Any
+    callback: Any
+    no_ack: bool
+
+
+_CONSUME_SIGNATURE = inspect.signature(_KOMBU_VIRTUAL_BASIC_CONSUME)
+
+
+def _basic_consume(self: Any, queue: str, *args: Any, **kwargs: Any) -> Any:
+    """kombu's ``basic_consume``, remembering the consumer's callback for ``_deliver``."""
+    result = _KOMBU_BASIC_CONSUME(self, queue, *args, **kwargs)
+    bound = _CONSUME_SIGNATURE.bind(self, queue, *args, **kwargs)
+    consumers = self.__dict__.setdefault("_checkpointq_consumers", {})
+    consumers[queue] = _Consumer(
+        self.connection._callbacks.get(queue),
+        bound.arguments["callback"],
+        bool(bound.arguments["no_ack"]),
+    )
+    return result
+
+
+def _deliver(self: Any, key: bytes | str, item: bytes, dest: str, tag: str | None) -> None:
+    """Decode ``item`` once, refuse it if it does not decode, else hand it to its consumer.
+
+    Mirrors kombu's delivery callback (``virtual.Channel.basic_consume``: build the message,
+    record it in the QoS, call the consumer) with the message built once, not twice, and,
+    for a message the reserve script recorded (``tag``), only the local bookkeeping of
+    ``QoS.append``: its broker half is done. Anything unusual (no consumer, or another one
+    than we saw registered) takes kombu's own delivery, which records it (again) itself.
+    """
+    self._queue_cycle.rotate(dest)
+    payload: Any = None
+    try:
+        payload = kombu_loads(_text(item))  # type: ignore[no-untyped-call]
+        # Build the message as the consumer callback will (envelope fields, base64 body),
+        # so that whatever would raise there raises here, where it can be refused.
+        message = self.Message(payload, channel=self)
+    except Exception as exc:  # any decoding failure means "not a Celery message"
+        _refuse(self, key, item, dest, exc, payload, tag)
+        return
+    consumer: _Consumer | None = self.__dict__.get("_checkpointq_consumers", {}).get(dest)
+    if consumer is None or self.connection._callbacks.get(dest) is not consumer.registered:
+        self.connection._deliver(payload, dest)
+        return
+    if not consumer.no_ack:
+        if tag is not None and tag == message.delivery_tag:
+            _VIRTUAL_QOS_APPEND(self.qos, message, tag)
+        else:
+            self.qos.append(message, message.delivery_tag)
+    consumer.callback(message)
+
+
+def _reserve_more(self: Any) -> None:
+    """After a BRPOP delivery: take what the prefetch window has room for in one round trip.
+
+    Each reserved message is delivered in the order popped. Should a delivery raise, the
+    messages not yet delivered go back to the front of their lists before it propagates
+    (else the recorded ones would wait for the visibility timeout).
+    """
+    if not self.active_queues or not reserve.usable(self):
+        return
+    if any(c.no_ack for c in self.__dict__.get("_checkpointq_consumers", {}).values()):
+        return  # an unacknowledged read must not be recorded as one to acknowledge
+    room = self.qos.can_consume_max_estimate()
+    batch = reserve.pop(self, reserve.BATCH_LIMIT if room is None else room)
+    for done, reserved in enumerate(batch):
+        try:
+            _deliver(self, reserved.key, reserved.item, reserved.queue, reserved.tag)
+        except BaseException:
+            reserve.put_back(self, batch[done + 1 :])
+            raise
 
 
 def _guarded_brpop_read(self: Any, **options: Any) -> bool:
-    """kombu's ``Channel._brpop_read`` with the decoding of the item guarded."""
+    """kombu's ``Channel._brpop_read`` with the decoding of the item guarded, then the
+    prefetch window filled by one reserve (``worker/reserve.py``)."""
     try:
         try:
             dest__item = self.client.parse_response(self.client.connection, "BRPOP", **options)
@@ -117,26 +223,18 @@ def _guarded_brpop_read(self: Any, **options: Any) -> bool:
             raise Empty()
         key, item = dest__item
         dest = _text(key).rsplit(self.sep, 1)[0]
-        self._queue_cycle.rotate(dest)
-        payload: Any = None
-        try:
-            payload = kombu_loads(_text(item))  # type: ignore[no-untyped-call]
-            # Build the message as the consumer callback will (envelope fields, base64 body),
-            # so that whatever would raise there raises here, where it can be refused.
-            self.Message(payload, channel=self)
-        except Exception as exc:  # any decoding failure means "not a Celery message"
-            _refuse(self, key, item, dest, exc, payload)
-            return True
-        self.connection._deliver(payload, dest)
-        return True
+        _deliver(self, key, item, dest, None)
     finally:
         self._in_poll = None
         self._flush_brpop_reauth()
+    _reserve_more(self)
+    return True
 
 
 def install() -> None:
     """Use the guarded reader in this process's Redis channels (idempotent)."""
     kombu_redis.Channel._brpop_read = _guarded_brpop_read  # type: ignore[method-assign]
+    kombu_redis.Channel.basic_consume = _basic_consume  # type: ignore[method-assign]
 
 
 def installed() -> bool:

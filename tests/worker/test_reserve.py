@@ -1,0 +1,333 @@
+"""The reserve script (worker/reserve.py, worker/lua/reserve.lua) on a real redis-server.
+
+Messages are published and consumed with kombu's own Redis transport, the guarded reader
+installed as in a worker: one BRPOP takes the first message, one script call the rest of the
+prefetch window. What the script records must be what kombu's ``QoS.append`` records, so
+that kombu's own restore brings the messages back after a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from kombu import connection, entity, messaging
+from kombu.transport import redis as kombu_redis
+
+from checkpointq.worker import reserve, transport
+from tests.support.servers import RedisServer, wait_until
+
+# kombu's hints are partial (untyped functions): its classes are used as Any here.
+Connection: Any = connection.Connection
+Producer: Any = messaging.Producer
+Queue: Any = entity.Queue
+
+QUEUE = "reserve-test"
+
+
+@pytest.fixture
+def guarded() -> Iterator[None]:
+    """The worker's reader in kombu's Redis channels for this test, kombu's own after."""
+    channel: Any = kombu_redis.Channel
+    saved = channel._brpop_read, channel.basic_consume
+    transport.install()
+    yield
+    channel._brpop_read, channel.basic_consume = saved
+
+
+@pytest.fixture
+def broker(redis_client: redis.Redis) -> redis.Redis:
+    """The private server, emptied, with its command counters reset."""
+    redis_client.config_resetstat()
+    return redis_client
+
+
+def _publish(url: str, count: int) -> list[dict[str, Any]]:
+    with Connection(url) as conn:
+        producer = Producer(conn.channel())
+        bodies = [{"n": n, "pad": "x" * 2_000} for n in range(count)]
+        for body in bodies:
+            producer.publish(body, routing_key=QUEUE, declare=[Queue(QUEUE)])
+    return bodies
+
+
+def _consume(url: str, prefetch: int, on_message: Any = None) -> tuple[Any, Any, list[Any]]:
+    """A consuming connection with ``prefetch``; returns it, its channel and the messages
+    delivered so far (the caller closes the connection)."""
+    conn = Connection(url, transport_options={"visibility_timeout": 3600})
+    channel = conn.channel()
+    channel.basic_qos(0, prefetch, False)
+    received: list[Any] = []
+
+    def callback(message: Any) -> None:
+        received.append(message)
+        if on_message is not None:
+            on_message(message)
+
+    channel.basic_consume(QUEUE, no_ack=False, callback=callback, consumer_tag="t")
+    return conn, channel, received
+
+
+def _evalsha_calls(client: redis.Redis) -> int:
+    """Script calls that ran (a first call fails NOSCRIPT before redis-py loads it)."""
+    stats: dict[str, Any] = client.info("commandstats").get("cmdstat_evalsha", {})
+    return int(stats.get("calls", 0)) - int(stats.get("failed_calls", 0))
+
+
+def test_one_read_reserves_the_prefetch_window_recorded_as_kombus_qos_records_it(
+    guarded: None, broker: redis.Redis, redis_server: RedisServer
+) -> None:
+    # Given 20 queued messages and a consumer with room for 8
+    bodies = _publish(redis_server.url, 20)
+    conn, channel, received = _consume(redis_server.url, prefetch=8)
+    try:
+        # When it reads once
+        before = time.time()
+        conn.drain_events(timeout=5)
+        after = time.time()
+        # Then it holds 8 messages, the first 8 in order, and 12 stay queued
+        assert [m.decode()["n"] for m in received] == [b["n"] for b in bodies[:8]]
+        assert broker.llen(QUEUE) == 12
+        # taken by one BRPOP and one script call
+        assert _evalsha_calls(broker) == 1
+        # And each is in kombu's unacked hash and index as kombu's QoS.append writes it:
+        # [the message as delivered, exchange, routing key], scored by the worker's clock
+        assert broker.hlen(channel.unacked_key) == broker.zcard(channel.unacked_index_key) == 8
+        for message in received:
+            tag = message.delivery_tag
+            stored = json.loads(broker.hget(channel.unacked_key, tag) or b"null")
+            info = message.delivery_info
+            assert stored == [message._raw, info["exchange"], info["routing_key"]]
+            score = broker.zscore(channel.unacked_index_key, tag)
+            assert score is not None and before <= score <= after
+        # And the consumer's prefetch window is full: nothing more is read
+        assert not channel.qos.can_consume()
+        # And acking removes them as kombu's own ack does
+        for message in received:
+            message.ack()
+        assert broker.hlen(channel.unacked_key) == broker.zcard(channel.unacked_index_key) == 0
+    finally:
+        conn.close()
+
+
+def test_an_idle_consumer_still_wakes_on_the_first_message(
+    guarded: None, broker: redis.Redis, redis_server: RedisServer
+) -> None:
+    # Given a consumer waiting on an empty queue
+    conn, _, received = _consume(redis_server.url, prefetch=8)
+    try:
+        Queue(QUEUE, channel=conn.default_channel).declare()
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=0.2)
+        # When one message arrives
+        _publish(redis_server.url, 1)
+        # Then the next read delivers it
+        conn.drain_events(timeout=5)
+        assert len(received) == 1
+    finally:
+        conn.close()
+
+
+def test_a_consumer_that_raises_puts_the_rest_of_its_batch_back_in_order(
+    guarded: None, broker: redis.Redis, redis_server: RedisServer
+) -> None:
+    # Given 10 queued messages and a consumer whose callback fails on the third
+    bodies = _publish(redis_server.url, 10)
+
+    def fail_on_third(message: Any) -> None:
+        if message.decode()["n"] == 2:
+            raise RuntimeError("consumer bug")
+
+    conn, channel, received = _consume(redis_server.url, prefetch=10, on_message=fail_on_third)
+    try:
+        # When it reads
+        with pytest.raises(RuntimeError):
+            conn.drain_events(timeout=5)
+        # Then the three it saw are held, and the seven it never saw are queued again, in
+        # their order and out of unacked (not left to the visibility timeout)
+        assert [m.decode()["n"] for m in received] == [0, 1, 2]
+        held = {m.delivery_tag for m in received}
+        assert {t.decode() for t in _tags(broker, channel.unacked_key)} == held
+        queued = [json.loads(item)["properties"]["delivery_tag"] for item in _queued(broker)]
+        assert len(queued) == 7 and not held & set(queued)
+        assert _bodies_in_pop_order(broker) == [b["n"] for b in bodies[3:]]
+    finally:
+        conn.close()
+
+
+def _tags(client: redis.Redis, key: str) -> list[bytes]:
+    tags: list[bytes] = client.hkeys(key)  # type: ignore[assignment]
+    return tags
+
+
+def _queued(client: redis.Redis) -> list[bytes]:
+    items: list[bytes] = client.lrange(QUEUE, 0, -1)  # type: ignore[assignment]
+    return items[::-1]  # BRPOP takes the right end first
+
+
+def _bodies_in_pop_order(client: redis.Redis) -> list[int]:
+    with Connection("memory://") as conn:
+        channel = conn.channel()
+        return [
+            json.loads(channel.Message(json.loads(item), channel=channel).body)["n"]
+            for item in _queued(client)
+        ]
+
+
+#: Held messages, then kill -9 of the process: run as ``python -c`` with the URL argv[1].
+VICTIM = """
+import os, signal, sys
+from kombu import Connection
+from checkpointq.worker import transport
+transport.install()
+conn = Connection(sys.argv[1])
+channel = conn.channel()
+channel.basic_qos(0, 6, False)
+def killed(message):
+    if not channel.qos.can_consume():
+        os.kill(os.getpid(), signal.SIGKILL)
+channel.basic_consume("reserve-test", no_ack=False, callback=killed, consumer_tag="v")
+while True:
+    conn.drain_events(timeout=10)
+"""
+
+
+def test_kombu_restores_what_a_killed_consumer_reserved(
+    broker: redis.Redis, redis_server: RedisServer
+) -> None:
+    # Given a consumer process that reserved 6 of 10 messages with the script
+    bodies = _publish(redis_server.url, 10)
+    victim = subprocess.run(
+        [sys.executable, "-c", VICTIM, redis_server.url], capture_output=True, timeout=60
+    )
+    # When it is killed with kill -9 while holding them
+    assert victim.returncode == -signal.SIGKILL, victim.stderr.decode()
+    assert broker.hlen("unacked") == 6 and broker.llen(QUEUE) == 4
+    assert _evalsha_calls(broker) == 1
+    # Then kombu's own restore (unpatched), once their visibility timeout is past, puts every
+    # one back in the queue, marked redelivered, and empties unacked
+    with Connection(redis_server.url, transport_options={"visibility_timeout": 1}) as conn:
+        channel = conn.channel()
+        wait_until(lambda: time.time() - _oldest_score(broker) > 1.5, timeout=10)
+        channel.qos.restore_visible(num=100)
+    assert broker.hlen("unacked") == broker.zcard("unacked_index") == 0
+    assert sorted(_bodies_in_pop_order(broker)) == [b["n"] for b in bodies]
+    redelivered = [json.loads(item)["headers"].get("redelivered") for item in _queued(broker)]
+    assert redelivered.count(True) == 6
+
+
+def _oldest_score(client: redis.Redis) -> float:
+    oldest = client.zrange("unacked_index", 0, 0, withscores=True)
+    return float(oldest[0][1]) if oldest else 0.0
+
+
+# -- what the script records, item by item ---------------------------------------------------
+
+
+def _envelope(**headers: Any) -> dict[str, Any]:
+    return {
+        "body": "eyJhIjogMX0=",
+        "content-encoding": "utf-8",
+        "content-type": "application/json",
+        "headers": {"task": "checkpoint.save", "id": "i-1", **headers},
+        "properties": {
+            "body_encoding": "base64",
+            "delivery_tag": "6f1c-tag",
+            "delivery_info": {"exchange": "", "routing_key": "checkpoints"},
+        },
+    }
+
+
+def _pop_one(client: redis.Redis, item: bytes) -> str | None:
+    """Push ``item`` alone, run the script; the tag it was recorded under, if any."""
+    client.delete("q", "unacked", "unacked_index")
+    client.rpush("q", item)
+    script = client.register_script(reserve._source())
+    reply = script(keys=["unacked", "unacked_index", "q"], args=[10, 1 << 20, time.time()])
+    assert reply[:2] == [1, item]
+    tag = reply[2].decode()
+    assert client.hlen("unacked") == (1 if tag else 0)
+    return tag or None
+
+
+#: Items cjson decodes and kombu's loads refuses (or turns into another type): they would
+#: make kombu's restore fail at every pass, so they are never recorded.
+NOT_KOMBUS = {
+    "hex number": b'"n": 0x10',
+    "leading zero": b'"n": 01',
+    "plus sign": b'"n": +1',
+    "trailing dot": b'"n": 1.',
+    "lowercase nan": b'"n": nan',
+    "lowercase inf": b'"n": -inf',
+    "raw tab in a string": b'"n": "a\tb"',
+    "kombu type object": b'"n": {"__type__": "bogus", "__value__": 1}',
+    "nested too deep": b'"n": ' + b"[" * 200 + b"]" * 200,
+    "unicode escape": b'"n": "\\u00e9"',
+}
+
+
+@pytest.mark.parametrize("header", NOT_KOMBUS.values(), ids=NOT_KOMBUS.keys())
+def test_items_kombu_would_not_decode_alike_are_never_recorded(
+    redis_client: redis.Redis, header: bytes
+) -> None:
+    opening = b'"headers": {'
+    item = json.dumps(_envelope()).encode().replace(opening, opening + header + b", ")
+    assert _pop_one(redis_client, item) is None
+
+
+STANDARD = {
+    "kombu's own": {},
+    "numbers": {"a": [0, -1, 2.5, -0.5e-3, 1e5, 12345678901234567890]},
+    "literals": {"a": [True, False, None]},
+    "escapes": {"a": 'say "hi" \\ bye / ok'},
+    "long strings": {"a": "y" * 5_000, "b": ["z" * 300]},
+}
+
+
+@pytest.mark.parametrize("headers", STANDARD.values(), ids=STANDARD.keys())
+def test_standard_envelopes_are_recorded_as_kombu_reads_them(
+    redis_client: redis.Redis, headers: dict[str, Any]
+) -> None:
+    envelope = _envelope(**headers)
+    item = json.dumps(envelope).encode()
+    assert _pop_one(redis_client, item) == "6f1c-tag"
+    stored = redis_client.hget("unacked", "6f1c-tag")
+    assert stored is not None and json.loads(stored) == [envelope, "", "checkpoints"]
+
+
+def test_a_routing_key_too_long_to_decode_cheaply_is_left_to_kombu(
+    redis_client: redis.Redis,
+) -> None:
+    envelope = _envelope()
+    envelope["properties"]["delivery_info"]["routing_key"] = "r" * 400
+    assert _pop_one(redis_client, json.dumps(envelope).encode()) is None
+
+
+def test_an_item_that_cannot_be_recorded_ends_the_batch_and_comes_alone_next(
+    redis_client: redis.Redis,
+) -> None:
+    # Given two good envelopes, one the script cannot record, and another good one
+    good = [json.dumps({**_envelope(), "n": n}).encode() for n in range(3)]
+    for n, item in enumerate(good):
+        good[n] = item.replace(b'"6f1c-tag"', f'"tag-{n}"'.encode())
+    bad = b"not json"
+    redis_client.rpush("q", *reversed([good[0], good[1], bad, good[2]]))
+    script = redis_client.register_script(reserve._source())
+
+    def run() -> list[Any]:
+        keys = ["unacked", "unacked_index", "q"]
+        return list(script(keys=keys, args=[10, 1 << 20, time.time()]))
+
+    # When the script runs: the two good ones, recorded; the bad one is back at the front
+    assert run() == [1, good[0], b"tag-0", 1, good[1], b"tag-1"]
+    # Then next time it comes alone, unrecorded, for kombu's path to judge
+    assert run() == [1, bad, b""]
+    assert run() == [1, good[2], b"tag-2"]
+    assert redis_client.hlen("unacked") == 3

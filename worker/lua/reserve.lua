@@ -1,0 +1,132 @@
+-- reserve.lua: pop up to N messages and record each as kombu's Redis QoS would, at once.
+--
+-- kombu's Redis transport takes one message per BRPOP, then records it in its ``unacked``
+-- hash and index (``QoS.append``) in a second round trip that sends the whole message back.
+-- This does both for many messages in one call, with what kombu would have written, so that
+-- kombu's own restore (visibility timeout, ``restore_unacked``) finds them unchanged.
+--
+-- KEYS[1]  unacked hash: delivery tag -> JSON [message, exchange, routing key]
+-- KEYS[2]  unacked index: sorted set of delivery tag -> the worker's time() when reserved
+-- KEYS[3..] the queue lists, in the order kombu's BRPOP names them (priority, then queue)
+-- ARGV[1]  how many messages at most (the room left in the prefetch window)
+-- ARGV[2]  how many bytes at most (at least one message is taken, whatever its size)
+-- ARGV[3]  the score: the worker's time(), as kombu's QoS.append takes it
+--
+-- Returns a flat array of triples: the index of the list it came from (1 = KEYS[3]), the
+-- message as it was in the list, and the delivery tag it was recorded under. A message that
+-- cannot be recorded here (not a standard JSON envelope with a plain string tag, exchange
+-- and routing key) is never held in a batch: it is put back and ends the batch, or, when it
+-- comes first, returned alone with "" as its tag; the worker then hands it to kombu's own
+-- path, which records or refuses it as after a BRPOP.
+local limit, budget, score = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local out, taken, bytes = {}, 0, 0
+
+-- Whether ``n`` is a JSON number as Python's json module reads it (cjson also takes 0x10,
+-- 01, +1, 1., nan, inf).
+local function number(n)
+  local rest = string.match(n, '^%-?0(.*)$') or string.match(n, '^%-?[1-9]%d*(.*)$')
+  if rest and string.sub(rest, 1, 1) == '.' then rest = string.match(rest, '^%.%d+(.*)$') end
+  return rest ~= nil and (rest == '' or string.match(rest, '^[eE][%+%-]?%d+$') ~= nil)
+end
+
+local CONTROL = {}
+for byte = 0, 31 do CONTROL[#CONTROL + 1] = string.char(byte) end
+local MAX_DEPTH = 128
+-- Strings longer than LONG are left out of what cjson decodes (the body is one): each
+-- becomes BLANK, a control character no real value holds (items holding one are refused).
+local LONG, BLANK = 256, '\1'
+
+-- Whether the scalars and nesting left between an item's strings are what Python reads.
+local function standard(bare)
+  local depth = 0
+  for bracket in string.gmatch(bare, '[%[%]{}]') do
+    depth = depth + ((bracket == '[' or bracket == '{') and 1 or -1)
+    if depth > MAX_DEPTH then return false end
+  end
+  for token in string.gmatch(bare, '[^%s%[%]{}:,]+') do
+    if token ~= 'true' and token ~= 'false' and token ~= 'null' and not number(token) then
+      return false
+    end
+  end
+  return true
+end
+
+-- The envelope, decoded by cjson with its long strings left empty, or nil when kombu's path
+-- must judge the item. What cjson accepts and kombu's loads refuses must never reach the
+-- unacked hash, where kombu's restore would fail on it at every pass: raw control
+-- characters, numbers such as 0x10, 01, +1, 1., nan or inf, deep nesting, and objects that
+-- kombu's object hook turns into types ("__type__"). Items with escapes (rare: kombu's
+-- envelopes carry the body in base64) are decoded whole; "\u" escapes go kombu's way.
+-- Plain (memchr) searches and one walk from quote to quote keep this cheap for large items:
+-- Lua's pattern classes cost ~10 ns per byte, a large string made in Lua ~40 us.
+local function envelope_of(item)
+  if string.find(item, '__type__', 1, true) then return nil end
+  for _, byte in ipairs(CONTROL) do
+    if string.find(item, byte, 1, true) then return nil end
+  end
+  local text = item
+  local escaped = string.find(item, '\\', 1, true)
+  if escaped then
+    if string.find(item, '\\u', 1, true) then return nil end
+    text = string.gsub(item, '\\.', '')
+  end
+  -- Without escapes, each string runs from one quote to the next.
+  local outside, skeleton, at = {}, {}, 1
+  while true do
+    local open = string.find(text, '"', at, true)
+    local between = string.sub(text, at, (open or 0) - 1)
+    outside[#outside + 1] = between
+    skeleton[#skeleton + 1] = between
+    if not open then break end
+    local close = string.find(text, '"', open + 1, true)
+    if not close then return nil end
+    skeleton[#skeleton + 1] = close - open > LONG and '"' .. BLANK .. '"'
+      or string.sub(text, open, close)
+    at = close + 1
+  end
+  if not standard(table.concat(outside, ' ')) then return nil end
+  local ok, envelope = pcall(cjson.decode, escaped and item or table.concat(skeleton))
+  if ok and type(envelope) == 'table' then return envelope end
+  return nil
+end
+
+-- The tag, exchange and routing key of an envelope, or nil when kombu's path must judge it.
+local function fields(item)
+  local envelope = envelope_of(item)
+  if not envelope then return nil end
+  local properties = envelope['properties']
+  if type(properties) ~= 'table' then return nil end
+  local tag, info = properties['delivery_tag'], properties['delivery_info']
+  -- Tags of plain characters only (kombu's are UUIDs): then the bytes Redis stores here are
+  -- the ones redis-py would send for the tag kombu decodes.
+  if type(tag) ~= 'string' or tag == '' or string.find(tag, '[^%w%-_.:]') then return nil end
+  if type(info) ~= 'table' then return nil end
+  local exchange, routing_key = info['exchange'], info['routing_key']
+  if type(exchange) ~= 'string' or type(routing_key) ~= 'string' then return nil end
+  if exchange == BLANK or routing_key == BLANK then return nil end
+  return tag, exchange, routing_key
+end
+
+for k = 3, #KEYS do
+  while taken < limit and bytes < budget do
+    local item = redis.call('RPOP', KEYS[k])
+    if not item then break end
+    taken, bytes = taken + 1, bytes + #item
+    local tag, exchange, routing_key = fields(item)
+    if not tag then
+      if taken > 1 then
+        -- Back where it was, for the next read: it must not wait in a batch unrecorded.
+        redis.call('RPUSH', KEYS[k], item)
+        return out
+      end
+      return {k - 2, item, ''}
+    end
+    redis.call('ZADD', KEYS[2], score, tag)
+    redis.call('HSET', KEYS[1], tag,
+      '[' .. item .. ',' .. cjson.encode(exchange) .. ',' .. cjson.encode(routing_key) .. ']')
+    out[#out + 1] = k - 2
+    out[#out + 1] = item
+    out[#out + 1] = tag
+  end
+end
+return out
