@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import redis
+import zstandard
 
 from bench.harness import (
     RunConfig,
@@ -23,7 +25,14 @@ from bench.harness import (
     summarize,
 )
 from bench.workload import make_checkpoint
-from checkpointq.store import Checkpoint, RedisStore, deserialize_checkpoint, serialize_checkpoint
+from checkpointq.store import (
+    Checkpoint,
+    RedisStore,
+    checkpoint_from_wire,
+    deserialize_checkpoint,
+    serialize_checkpoint,
+)
+from checkpointq.store.serde import checkpoint_to_wire
 
 SIZES = (("2 KB", 2_000), ("20 KB", 20_000), ("200 KB", 200_000))
 #: Distinct sessions saved in turn, so no measurement rewrites one hot key only.
@@ -31,6 +40,8 @@ SESSIONS = 32
 OPS = ("save", "SET", "load", "GET")
 #: Target of the performance issue: save at least half as fast as SET of the same bytes.
 SAVE_VS_SET_TARGET = 0.5
+#: zstd levels compared at each size: the store's (1) and its neighbours.
+LEVELS = (-1, 1, 3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +57,10 @@ class SizeResult:
     #: Where one save's and one load's time goes, in microseconds (medians).
     save_split: dict[str, float]
     load_split: dict[str, float]
+    #: Redis's own CPU per call (INFO commandstats), microseconds: the script and a SET.
+    server_us: dict[str, float]
+    #: zstd level -> (stored bytes, compress microseconds), for this size's JSON.
+    levels: dict[int, tuple[int, float]]
 
 
 def run(config: RunConfig) -> SectionReport:
@@ -79,6 +94,7 @@ def _measure_size(label: str, size: int, config: RunConfig, seconds: float) -> S
             for name in OPS[rep % 4 :] + OPS[: rep % 4]:
                 rates[name].append(ops_per_second(ops[name], seconds))
         save_split, load_split = _cpu_split(store, client, checkpoints[0], config)
+        server_us = _server_split(store, client, checkpoints, stored, config)
     return SizeResult(
         label,
         len(serialize_checkpoint(checkpoints[0])),
@@ -88,6 +104,8 @@ def _measure_size(label: str, size: int, config: RunConfig, seconds: float) -> S
         summarize([g / p for g, p in zip(rates["load"], rates["GET"], strict=True)]),
         save_split,
         load_split,
+        server_us,
+        _levels(serialize_checkpoint(checkpoints[0]), config),
     )
 
 
@@ -107,7 +125,9 @@ def _cpu_split(
             keys=keys, args=[store.now_seq(), value, ttl_ms, deadline, 2 * ttl_ms, session_id]
         )
 
+    wire = checkpoint_to_wire(checkpoint)
     steps: dict[str, Callable[[], object]] = {
+        "validate (task's JSON data -> pydantic)": lambda: checkpoint_from_wire(wire),
         "serialize (pydantic -> Go JSON)": lambda: serialize_checkpoint(checkpoint),
         "compress (zstd)": lambda: store.codec.encode(json_bytes),
         "save.lua round trip": script_call,
@@ -121,7 +141,54 @@ def _cpu_split(
         for name, fn in steps.items()
     }
     names = list(steps)
-    return {n: micros[n] for n in names[:3]}, {n: micros[n] for n in names[3:]}
+    return {n: micros[n] for n in names[:4]}, {n: micros[n] for n in names[4:]}
+
+
+def _server_split(
+    store: RedisStore,
+    client: redis.Redis,
+    checkpoints: list[Checkpoint],
+    stored: list[bytes],
+    config: RunConfig,
+) -> dict[str, float]:
+    """Redis's own microseconds per call (INFO commandstats) of save.lua, of the commands it
+    runs, and of a SET of the same bytes, each measured on its own after a stats reset."""
+    calls = 50 if config.quick else 2_000
+    ttl_ms = int(store.options.ttl_seconds * 1000)
+
+    def per_call(run: Callable[[int], object]) -> dict[str, dict[str, float]]:
+        client.config_resetstat()
+        for i in range(calls):
+            run(i)
+        stats: dict[str, dict[str, float]] = client.info("commandstats")
+        return stats
+
+    saves = per_call(lambda i: store.save(checkpoints[i % SESSIONS]))
+    script = saves["cmdstat_evalsha"]["usec_per_call"]
+    inside = (
+        sum(stat["usec"] for name, stat in saves.items() if name != "cmdstat_evalsha")
+        / saves["cmdstat_evalsha"]["calls"]
+    )
+    sets = per_call(
+        lambda i: client.set(f"bench-plain:{i % SESSIONS}", stored[i % SESSIONS], px=ttl_ms)
+    )
+    return {
+        "save.lua (EVALSHA)": script,
+        "its commands (HMGET, SET, HSET, ...)": inside,
+        "SET of the same bytes": sets["cmdstat_set"]["usec_per_call"],
+    }
+
+
+def _levels(json_bytes: bytes, config: RunConfig) -> dict[int, tuple[int, float]]:
+    """Stored size and compression time of ``json_bytes`` at each of ``LEVELS``."""
+    calls = 20 if config.quick else 200
+    out: dict[int, tuple[int, float]] = {}
+    for level in LEVELS:
+        cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
+        compress = partial(cctx.compress, json_bytes)
+        times = [per_call_seconds(compress, calls) for _ in range(config.repeats)]
+        out[level] = (len(cctx.compress(json_bytes)), summarize(times).median * 1e6)
+    return out
 
 
 def _write(
@@ -150,7 +217,8 @@ def _write(
     lines += [
         "",
         "Where one operation's time goes (microseconds per call, medians, each step timed "
-        "alone in a loop; the steps of `save` and of `load` add up to roughly their cost):",
+        "alone in a loop; the steps of `save` after validation, and those of `load`, add up "
+        "to roughly their cost):",
         "",
         "| size | "
         + " | ".join(results[0].save_split)
@@ -161,6 +229,35 @@ def _write(
     ]
     for r in results:
         cells = [f"{v:,.0f}" for v in (*r.save_split.values(), *r.load_split.values())]
+        lines.append(f"| {r.label} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Validation is the worker task's step before `save` (the task argument checked into "
+        "a model), not part of `RedisStore.save`; the other save steps are.",
+        "",
+        "What Redis itself spends per call (microseconds, INFO commandstats over "
+        f"{50 if config.quick else 2_000:,} calls each, after a stats reset):",
+        "",
+        "| size | " + " | ".join(results[0].server_us) + " |",
+        "|---|" + "---:|" * len(results[0].server_us),
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.label} | " + " | ".join(f"{v:,.1f}" for v in r.server_us.values()) + " |"
+        )
+    lines += [
+        "",
+        "zstd level against stored size and compression time (the store uses level 1; Go "
+        "reads any level; median microseconds per call, timed alone):",
+        "",
+        "| size | " + " | ".join(f"level {level}: bytes, ratio, us" for level in LEVELS) + " |",
+        "|---|" + "---:|" * len(LEVELS),
+    ]
+    for r in results:
+        cells = [
+            f"{size:,}, {r.json_bytes / size:.2f}x, {micros:,.0f}"
+            for size, micros in r.levels.values()
+        ]
         lines.append(f"| {r.label} | " + " | ".join(cells) + " |")
     report.targets += [
         Target(

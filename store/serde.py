@@ -312,10 +312,12 @@ def checkpoint_from_wire(value: Any) -> Checkpoint:
     # Typed fields cannot hold floats; unknown ones can. A JSON parser that accepts NaN and
     # Infinity (Python's, which Celery uses) would let them in, and they would be written
     # back as null: refuse them rather than change a producer's data.
+    # Most messages have no unknown fields: only those that do are walked (and named).
     _reject_non_finite(cp.__pydantic_extra__, "")
     _reject_non_finite(cp.metadata.__pydantic_extra__, "metadata")
     for i, message in enumerate(cp.conversation_history):
-        _reject_non_finite(message.__pydantic_extra__, f"conversationHistory[{i}]")
+        if message.__pydantic_extra__:
+            _reject_non_finite(message.__pydantic_extra__, f"conversationHistory[{i}]")
     return cp
 
 

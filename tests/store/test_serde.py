@@ -174,6 +174,10 @@ def test_other_characters_sharing_the_separators_lead_byte_stay_raw() -> None:
             {"sessionId": "s", "conversationHistory": [{"role": "u", "w": {"z": -float("inf")}}]},
             "conversationHistory[0].w.z",
         ),
+        (
+            {"sessionId": "s", "conversationHistory": [{"role": "u"}, {"w": [float("nan")]}]},
+            "conversationHistory[1].w[0]",
+        ),
     ],
 )
 def test_nan_and_infinity_in_unknown_fields_are_refused_not_nulled(
