@@ -10,12 +10,16 @@ prefetch window and records each message with what kombu would write (same keys,
 restore (visibility timeout, shutdown) works on them unchanged; the worker then delivers
 them without a second write (``worker/transport.py``).
 
-BRPOP stays the way an idle worker waits: it wakes on the first message, and the reserve
-follows it while the prefetch window has room.
+The script is sent where kombu sends its BRPOP, on the channel's polled connection, and its
+reply read by the same reader when the event loop sees it: the main process never waits on
+the broker. BRPOP stays the way an idle worker waits: the reader sends the script only while
+the last read suggests more is queued (``Reading``), and BRPOP again once a script comes
+back short.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from functools import cache
@@ -24,8 +28,6 @@ from time import time
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
-from redis.commands.core import Script
-from redis.exceptions import ResponseError
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +49,42 @@ class Reserved:
     tag: str | None
 
 
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One script call sent: the lists it reads (key, queue name) and how many it may take."""
+
+    keys: list[bytes]
+    queues: list[str]
+    limit: int
+
+    def parse(self, reply: list[Any]) -> list[Reserved]:
+        """The script's reply (triples: list index, item, tag or "") as messages."""
+        return [
+            Reserved(
+                self.keys[int(index) - 1],
+                self.queues[int(index) - 1],
+                item,
+                tag.decode() if tag else None,
+            )
+            for index, item, tag in zip(reply[::3], reply[1::3], reply[2::3], strict=True)
+        ]
+
+
+@dataclass(slots=True)
+class Reading:
+    """How a channel reads next: BRPOP (idle) or the script (messages keep coming)."""
+
+    #: Send the script rather than BRPOP: the last read took all it could.
+    busy: bool = False
+    #: The script call whose reply the polled connection is waiting for.
+    pending: Request | None = None
+    #: Whether the broker's refusal of the script was logged (once per channel).
+    warned: bool = False
+
+
 @cache
-def _source() -> str:
+def source() -> str:
+    """The text of ``worker/lua/reserve.lua``, read from package data once per process."""
     return (
         resources.files("checkpointq.worker")
         .joinpath("lua", "reserve.lua")
@@ -56,15 +92,9 @@ def _source() -> str:
     )
 
 
-_script: Script | None = None
-
-
-def _reserve_script(client: Any) -> Script:
-    """The script, registered once per process (redis-py reloads it on NOSCRIPT)."""
-    global _script
-    if _script is None:
-        _script = client.register_script(_source())
-    return _script
+@cache
+def sha() -> str:
+    return hashlib.sha1(source().encode(), usedforsecurity=False).hexdigest()
 
 
 def usable(channel: Any) -> bool:
@@ -80,44 +110,30 @@ def usable(channel: Any) -> bool:
     )
 
 
-def pop(channel: Any, limit: int) -> list[Reserved]:
-    """Pop up to ``limit`` messages from the channel's queues, in BRPOP's order.
-
-    Returns [] (after a warning) when the broker refuses the script (scripts disabled, a
-    replica, out of memory): the worker then reads one message per BRPOP, as kombu does.
-
-    Raises:
-        the channel's connection errors: nothing was popped, or what was is recorded in
-            ``unacked`` and the visibility timeout restores it.
-    """
-    queues = channel._queue_cycle.consume(len(channel.active_queues))
-    if not queues or limit < 1:
-        return []
+def request(channel: Any, queues: list[str], limit: int) -> tuple[Request, list[Any]]:
+    """The call reading ``queues`` in BRPOP's order (each priority, then each queue), and
+    the EVALSHA command that makes it."""
     names = [queue for _ in channel.priority_steps for queue in queues]
     keys = [channel._q_for_pri(queue, pri) for pri in channel.priority_steps for queue in queues]
+    encoded = [key.encode() if isinstance(key, str) else key for key in keys]
+    command = [
+        "EVALSHA",
+        sha(),
+        2 + len(keys),
+        channel.unacked_key,
+        channel.unacked_index_key,
+        *keys,
+        limit,
+        BYTE_BUDGET,
+        time(),
+    ]
+    return Request(encoded, names, limit), command
+
+
+def load(channel: Any) -> None:
+    """Load the script into the broker (once per broker start)."""
     with channel.conn_or_acquire() as client:
-        try:
-            reply = _reserve_script(client)(
-                keys=[channel.unacked_key, channel.unacked_index_key, *keys],
-                args=[limit, BYTE_BUDGET, time()],
-                client=client,
-            )
-        except ResponseError as exc:
-            logger.warning("broker refused the reserve script (%s): one message per read", exc)
-            return []
-    reserved = []
-    for at in range(0, len(reply), 3):
-        index, item, tag = reply[at : at + 3]
-        key = keys[int(index) - 1]
-        reserved.append(
-            Reserved(
-                key.encode() if isinstance(key, str) else key,
-                names[int(index) - 1],
-                item,
-                tag.decode() if tag else None,
-            )
-        )
-    return reserved
+        client.script_load(source())
 
 
 def forget(channel: Any, tag: str, requeue: tuple[bytes, bytes] | None = None) -> None:

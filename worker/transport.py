@@ -37,11 +37,13 @@ import inspect
 import logging
 from dataclasses import dataclass
 from queue import Empty
+from time import monotonic
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.json import loads as kombu_loads
+from redis.exceptions import NoScriptError, ResponseError
 
 from checkpointq.store.errors import StoreUnavailable
 from checkpointq.tasks.dead_letters import Reason
@@ -52,6 +54,8 @@ logger = logging.getLogger(__name__)
 
 #: kombu's own reader, kept to tell whether ours is installed.
 _KOMBU_BRPOP_READ = kombu_redis.Channel._brpop_read
+#: kombu's own BRPOP sender, used while the worker is idle.
+_KOMBU_BRPOP_START: Any = kombu_redis.Channel._brpop_start
 #: kombu's consume (ours wraps it) and the virtual one whose delivery callback ours mirrors.
 _KOMBU_BASIC_CONSUME: Any = kombu_redis.Channel.basic_consume
 _KOMBU_VIRTUAL_BASIC_CONSUME: Any = virtual.Channel.basic_consume
@@ -188,30 +192,89 @@ def _deliver(self: Any, key: bytes | str, item: bytes, dest: str, tag: str | Non
     consumer.callback(message)
 
 
-def _reserve_more(self: Any) -> None:
-    """After a BRPOP delivery: take what the prefetch window has room for in one round trip.
+def _reading(self: Any) -> reserve.Reading:
+    reading: reserve.Reading | None = self.__dict__.get("_checkpointq_reading")
+    if reading is None:
+        reading = self.__dict__["_checkpointq_reading"] = reserve.Reading()
+    return reading
 
-    Each reserved message is delivered in the order popped. Should a delivery raise, the
-    messages not yet delivered go back to the front of their lists before it propagates
-    (else the recorded ones would wait for the visibility timeout).
-    """
-    if not self.active_queues or not reserve.usable(self):
+
+def _reserving(self: Any) -> bool:
+    """Whether the script may take this channel's messages: kombu's Redis bookkeeping, and
+    no consumer reading without acknowledgements (their messages must not be recorded)."""
+    consumers = self.__dict__.get("_checkpointq_consumers", {}).values()
+    return reserve.usable(self) and not any(c.no_ack for c in consumers)
+
+
+def _brpop_start(self: Any, timeout: Any = None) -> None:
+    """kombu's ``Channel._brpop_start``; while messages keep coming, the reserve script
+    takes the room left in the prefetch window instead of BRPOP taking one message."""
+    reading = _reading(self)
+    reading.pending = None
+    if not reading.busy or not _reserving(self):
+        _KOMBU_BRPOP_START(self, timeout)
         return
-    if any(c.no_ack for c in self.__dict__.get("_checkpointq_consumers", {}).values()):
-        return  # an unacknowledged read must not be recorded as one to acknowledge
+    queues = self._queue_cycle.consume(len(self.active_queues))
     room = self.qos.can_consume_max_estimate()
-    batch = reserve.pop(self, reserve.BATCH_LIMIT if room is None else room)
+    if not queues or room == 0:
+        return
+    reading.pending, command = reserve.request(
+        self, queues, reserve.BATCH_LIMIT if room is None else room
+    )
+    # As kombu's BRPOP: sent on the polled connection, read by _guarded_brpop_read.
+    self._in_poll = self.client.connection
+    self._brpop_sent_at = monotonic()
+    self.client.connection.send_command(*command)
+
+
+def _read_reserved(self: Any, sent: reserve.Request, **options: Any) -> bool:
+    """Deliver what the reserve script took, in the order it took them.
+
+    Should a delivery raise, the messages not yet delivered go back to the front of their
+    lists before it propagates (else the recorded ones would wait for the visibility
+    timeout).
+    """
+    reading = _reading(self)
+    try:
+        try:
+            reply = self.client.parse_response(self.client.connection, "EVALSHA", **options)
+        except self.connection_errors:
+            # As kombu: disconnect so that the next iteration reconnects. What the script
+            # took is in unacked: the visibility timeout restores it.
+            self.client.connection.disconnect()
+            raise
+        except NoScriptError:
+            reserve.load(self)  # the broker restarted or was flushed: again next time
+            raise Empty() from None
+        except ResponseError as exc:  # scripts refused (a replica, disabled): BRPOP it is
+            if not reading.warned:
+                logger.warning("broker refused the reserve script (%s): one BRPOP each", exc)
+                reading.warned = True
+            reading.busy = False
+            raise Empty() from None
+    finally:
+        self._in_poll = None
+        self._flush_brpop_reauth()
+    batch = sent.parse(reply)
+    reading.busy = len(batch) >= sent.limit
+    if not batch:
+        raise Empty()
     for done, reserved in enumerate(batch):
         try:
             _deliver(self, reserved.key, reserved.item, reserved.queue, reserved.tag)
         except BaseException:
             reserve.put_back(self, batch[done + 1 :])
             raise
+    return True
 
 
 def _guarded_brpop_read(self: Any, **options: Any) -> bool:
-    """kombu's ``Channel._brpop_read`` with the decoding of the item guarded, then the
-    prefetch window filled by one reserve (``worker/reserve.py``)."""
+    """kombu's ``Channel._brpop_read`` with the decoding of the item guarded; or the
+    reserve script's reply, when that was sent instead (``_brpop_start``)."""
+    reading = _reading(self)
+    sent, reading.pending = reading.pending, None
+    if sent is not None:
+        return _read_reserved(self, sent, **options)
     try:
         try:
             dest__item = self.client.parse_response(self.client.connection, "BRPOP", **options)
@@ -223,17 +286,19 @@ def _guarded_brpop_read(self: Any, **options: Any) -> bool:
             raise Empty()
         key, item = dest__item
         dest = _text(key).rsplit(self.sep, 1)[0]
+        # More may be queued: the next read takes what the prefetch window has room for.
+        reading.busy = True
         _deliver(self, key, item, dest, None)
+        return True
     finally:
         self._in_poll = None
         self._flush_brpop_reauth()
-    _reserve_more(self)
-    return True
 
 
 def install() -> None:
     """Use the guarded reader in this process's Redis channels (idempotent)."""
     kombu_redis.Channel._brpop_read = _guarded_brpop_read  # type: ignore[method-assign]
+    kombu_redis.Channel._brpop_start = _brpop_start  # type: ignore[method-assign]
     kombu_redis.Channel.basic_consume = _basic_consume  # type: ignore[method-assign]
 
 

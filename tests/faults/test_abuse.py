@@ -342,7 +342,7 @@ def test_reserve_path_still_mirrors_the_pinned_kombu() -> None:
     mirrored = {
         "virtual.Channel.basic_consume": transport._KOMBU_VIRTUAL_BASIC_CONSUME,
         "redis.QoS.append": kombu_redis.QoS.append,
-        "redis.Channel._brpop_start": kombu_redis.Channel._brpop_start,
+        "redis.Channel._brpop_start": transport._KOMBU_BRPOP_START,
     }
     digests = {
         name: hashlib.sha256(inspect.getsource(function).encode()).hexdigest()

@@ -44,7 +44,8 @@ def guarded() -> Iterator[None]:
 
 @pytest.fixture
 def broker(redis_client: redis.Redis) -> redis.Redis:
-    """The private server, emptied, with its command counters reset."""
+    """The private server, emptied, the script loaded, its command counters reset."""
+    redis_client.script_load(reserve.source())
     redis_client.config_resetstat()
     return redis_client
 
@@ -75,28 +76,45 @@ def _consume(url: str, prefetch: int, on_message: Any = None) -> tuple[Any, Any,
     return conn, channel, received
 
 
-def _evalsha_calls(client: redis.Redis) -> int:
-    """Script calls that ran (a first call fails NOSCRIPT before redis-py loads it)."""
-    stats: dict[str, Any] = client.info("commandstats").get("cmdstat_evalsha", {})
-    return int(stats.get("calls", 0)) - int(stats.get("failed_calls", 0))
+def _popped_by_script(client: redis.Redis) -> int:
+    """Messages the script took (kombu itself pops with BRPOP only)."""
+    stats: dict[str, Any] = client.info("commandstats").get("cmdstat_rpop", {})
+    return int(stats.get("calls", 0))
+
+
+@pytest.fixture
+def script_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The limit of each reserve script call the reader sends."""
+    calls: list[int] = []
+    real = reserve.request
+
+    def counted(channel: Any, queues: list[str], limit: int) -> Any:
+        calls.append(limit)
+        return real(channel, queues, limit)
+
+    monkeypatch.setattr(reserve, "request", counted)
+    return calls
 
 
 def test_one_read_reserves_the_prefetch_window_recorded_as_kombus_qos_records_it(
-    guarded: None, broker: redis.Redis, redis_server: RedisServer
+    guarded: None, broker: redis.Redis, redis_server: RedisServer, script_calls: list[int]
 ) -> None:
     # Given 20 queued messages and a consumer with room for 8
     bodies = _publish(redis_server.url, 20)
     conn, channel, received = _consume(redis_server.url, prefetch=8)
     try:
-        # When it reads once
+        # When it reads twice
         before = time.time()
+        conn.drain_events(timeout=5)
+        # (a BRPOP: one message; more may be queued, so the next read is the script's)
+        assert len(received) == 1
         conn.drain_events(timeout=5)
         after = time.time()
         # Then it holds 8 messages, the first 8 in order, and 12 stay queued
         assert [m.decode()["n"] for m in received] == [b["n"] for b in bodies[:8]]
         assert broker.llen(QUEUE) == 12
-        # taken by one BRPOP and one script call
-        assert _evalsha_calls(broker) == 1
+        # the 7 after the first taken by one script call
+        assert script_calls == [7] and _popped_by_script(broker) == 7
         # And each is in kombu's unacked hash and index as kombu's QoS.append writes it:
         # [the message as delivered, exchange, routing key], scored by the worker's clock
         assert broker.hlen(channel.unacked_key) == broker.zcard(channel.unacked_index_key) == 8
@@ -118,7 +136,7 @@ def test_one_read_reserves_the_prefetch_window_recorded_as_kombus_qos_records_it
 
 
 def test_an_idle_consumer_still_wakes_on_the_first_message(
-    guarded: None, broker: redis.Redis, redis_server: RedisServer
+    guarded: None, broker: redis.Redis, redis_server: RedisServer, script_calls: list[int]
 ) -> None:
     # Given a consumer waiting on an empty queue
     conn, _, received = _consume(redis_server.url, prefetch=8)
@@ -131,6 +149,33 @@ def test_an_idle_consumer_still_wakes_on_the_first_message(
         # Then the next read delivers it
         conn.drain_events(timeout=5)
         assert len(received) == 1
+        # And once a script read finds the queue empty, the consumer waits in BRPOP again
+        # (one script call in all: it does not poll the broker with scripts)
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=0.5)
+        assert script_calls == [7]
+        _publish(redis_server.url, 1)
+        conn.drain_events(timeout=5)
+        assert len(received) == 2
+    finally:
+        conn.close()
+
+
+def test_a_broker_that_lost_the_script_gets_it_again_and_nothing_is_lost(
+    guarded: None, broker: redis.Redis, redis_server: RedisServer, script_calls: list[int]
+) -> None:
+    # Given a broker that restarted or was flushed: no script loaded
+    bodies = _publish(redis_server.url, 5)
+    broker.script_flush()
+    conn, channel, received = _consume(redis_server.url, prefetch=8)
+    try:
+        # When the consumer reads until it has every message
+        wait_until(lambda: conn.drain_events(timeout=1) or len(received) == 5, timeout=10)
+        # Then the first script call found it missing (NOSCRIPT), loaded it, and the next
+        # took the rest, each recorded once
+        assert [m.decode()["n"] for m in received] == [b["n"] for b in bodies]
+        assert script_calls == [7, 7]
+        assert broker.hlen(channel.unacked_key) == 5
     finally:
         conn.close()
 
@@ -147,7 +192,8 @@ def test_a_consumer_that_raises_puts_the_rest_of_its_batch_back_in_order(
 
     conn, channel, received = _consume(redis_server.url, prefetch=10, on_message=fail_on_third)
     try:
-        # When it reads
+        # When it reads (a BRPOP for the first, the script for the rest)
+        conn.drain_events(timeout=5)
         with pytest.raises(RuntimeError):
             conn.drain_events(timeout=5)
         # Then the three it saw are held, and the seven it never saw are queued again, in
@@ -210,7 +256,7 @@ def test_kombu_restores_what_a_killed_consumer_reserved(
     # When it is killed with kill -9 while holding them
     assert victim.returncode == -signal.SIGKILL, victim.stderr.decode()
     assert broker.hlen("unacked") == 6 and broker.llen(QUEUE) == 4
-    assert _evalsha_calls(broker) == 1
+    assert _popped_by_script(broker) == 5  # one BRPOP, then the script for the other 5
     # Then kombu's own restore (unpatched), once their visibility timeout is past, puts every
     # one back in the queue, marked redelivered, and empties unacked
     with Connection(redis_server.url, transport_options={"visibility_timeout": 1}) as conn:
@@ -249,7 +295,7 @@ def _pop_one(client: redis.Redis, item: bytes) -> str | None:
     """Push ``item`` alone, run the script; the tag it was recorded under, if any."""
     client.delete("q", "unacked", "unacked_index")
     client.rpush("q", item)
-    script = client.register_script(reserve._source())
+    script = client.register_script(reserve.source())
     reply = script(keys=["unacked", "unacked_index", "q"], args=[10, 1 << 20, time.time()])
     assert reply[:2] == [1, item]
     tag = reply[2].decode()
@@ -319,7 +365,7 @@ def test_an_item_that_cannot_be_recorded_ends_the_batch_and_comes_alone_next(
         good[n] = item.replace(b'"6f1c-tag"', f'"tag-{n}"'.encode())
     bad = b"not json"
     redis_client.rpush("q", *reversed([good[0], good[1], bad, good[2]]))
-    script = redis_client.register_script(reserve._source())
+    script = redis_client.register_script(reserve.source())
 
     def run() -> list[Any]:
         keys = ["unacked", "unacked_index", "q"]
