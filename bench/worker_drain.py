@@ -12,7 +12,8 @@ run). The workers:
   (``bench/plain_app.py``), the honest baseline;
 * ``noop``: our worker (task base, consumer, transport, observers) with ``checkpoint.save``
   replaced by a no-op (``bench/noop_app.py``);
-* ``save``: our production worker.
+* ``save``: our production worker;
+* ``traced``: our production worker with its coalescer traced (``bench/traced_app.py``).
 """
 
 from __future__ import annotations
@@ -43,7 +44,12 @@ QUEUE = "checkpoints"
 STAGING = "bench-staging"
 
 #: Worker kinds (see the module docstring) -> the Celery app they run.
-APPS = {"plain": "bench.plain_app", "noop": "bench.noop_app", "save": "checkpointq.worker.app"}
+APPS = {
+    "plain": "bench.plain_app",
+    "noop": "bench.noop_app",
+    "save": "checkpointq.worker.app",
+    "traced": "bench.traced_app",
+}
 
 #: Our worker as the image, ``checkpointq up`` and users start it: the console script
 #: (``python -m checkpointq.worker.cli`` where it is not installed), with the settings of the
@@ -66,11 +72,13 @@ def running_worker(
     kind: str = "save",
     settings: dict[str, object] | None = None,
     command: list[str] | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> Iterator[CeleryProcess]:
     """One worker of ``kind`` on ``broker``'s ``QUEUE``, stopped afterwards.
 
     ``settings`` are further ``CHECKPOINTQ_*`` settings for our workers; ``command`` starts
-    ours another way than ``celery -A`` (``DEPLOYED``: ``checkpointq worker``).
+    ours another way than ``celery -A`` (``DEPLOYED``: ``checkpointq worker``); ``extra_env``
+    are further environment variables (``BENCH_TRACE_FILE`` for the ``traced`` kind).
     """
     env = checkpointq_env(
         broker_url=broker.url,
@@ -82,6 +90,7 @@ def running_worker(
         **(settings or {}),
     )
     env.update(BENCH_BROKER_URL=broker.url, BENCH_QUEUE=QUEUE)
+    env.update(extra_env or {})
     extra = ["-P", pool, "-c", str(concurrency)] if kind == "plain" else []
     worker = CeleryProcess("worker", env, app=APPS[kind], extra_args=extra, command=command)
     worker.start(ready="ready.", timeout=60)

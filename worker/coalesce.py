@@ -124,8 +124,11 @@ class Coalescer:
         if self._timer is not None:
             self.consumer.timer.cancel(self._timer)
             self._timer = None
-        if not group:
-            return
+        if group:
+            self._dispatch(group)
+
+    def _dispatch(self, group: list[_Pending]) -> None:
+        """Hand ``group`` to the pool as one job; settle it when the job answers."""
         self._in_flight += 1
         requests = [(p.task, p.task_id, _body(p.message)) for p in group]
 
