@@ -3,12 +3,27 @@
 Producers in Go, Node or raw ``LPUSH`` send one request per message, and Celery's per
 message cost (a Request, a trip through the pool's pipe, a result back) is several times the
 store's own work for a 20 KB save. So for ``checkpoint.save`` and ``checkpoint.delete`` the
-worker's main process groups the messages it reserves (up to ``max_items``) while every
-pool process is busy (or for ``window`` after the first, if one is set), hands their raw
-bodies to one pool process as one job
-(``checkpointq.tasks.coalesced.apply_requests``: one pipelined round trip, each item fenced
-by its own ``seq``, in arrival order), and acknowledges each message only once the job says
-its item is durable.
+worker's main process groups the messages it reserves (up to ``max_items``), hands their raw
+bodies to one pool process as one job (``checkpointq.tasks.coalesced.apply_requests``: one
+pipelined round trip, each item fenced by its own ``seq``, in arrival order), and
+acknowledges each message only once the job says its item is durable.
+
+When a group goes (the latency a message pays for sharing a round trip):
+
+* **A pool process is idle**: at the end of the event loop's current turn, with whatever
+  that turn delivered (one message from kombu's BRPOP reader; several from a reader that
+  reserves many per round trip). No message waits while a process could apply it.
+* **Every pool process is busy**: the group keeps filling, and goes the moment one is free
+  (its answer came back), whatever its size: this is where groups grow with the load.
+* **Full** (``max_items``): at once, even if it must then wait in the pool's queue.
+
+So a message waits in the main process at most until a pool process is free or its group
+is full, never while a process is idle: the reserved messages are bounded by the prefetch
+(``max_items`` per pool process), and the groups in flight by the pool size (full ones
+aside). A ``window`` (``CHECKPOINTQ_COALESCE_WINDOW_MS``, default 0) instead holds a group
+for that long after its first message even when a process is idle, for larger groups at a
+moderate load; it was 2 ms by default, which the latency bench showed to cost every message
+about that much at half capacity and to buy no throughput in the worker bench.
 
 Delivery guarantees stay exactly those of one task per message:
 
@@ -95,27 +110,46 @@ class Coalescer:
         self.max_items = max_items
         self.window = window_seconds
         self.slots = max(1, int(getattr(consumer.pool, "num_processes", 1) or 1))
+        #: The event loop (None when the consumer runs without one: groups then go at once).
+        self.hub: Any = getattr(consumer, "hub", None)
         self._group: list[_Pending] = []
         self._opened = 0.0
         self._timer: Any = None
+        self._turn_end_due = False
         self._in_flight = 0
 
     # -- main process, on the event loop -------------------------------------------------
 
     def add(self, pending: _Pending) -> None:
         self._group.append(pending)
-        if len(self._group) >= self.max_items or (not self.window and self._in_flight < self.slots):
-            # Full, or no window and a pool process idle: waiting would only add latency.
+        if len(self._group) >= self.max_items:
             self._flush()
-        elif len(self._group) == 1:
+            return
+        if len(self._group) == 1:
             self._opened = time.monotonic()
             if self.window:
                 self._timer = self.consumer.timer.call_after(self.window, self._on_window)
+        if not self.window and self._in_flight < self.slots:
+            self._flush_at_turn_end()
+
+    def _flush_at_turn_end(self) -> None:
+        """Send the group once this turn of the event loop has delivered all it read."""
+        if self.hub is None:
+            self._flush()
+        elif not self._turn_end_due:
+            self._turn_end_due = True
+            # Runs at the start of the loop's next turn, before it polls again.
+            self.hub.call_soon(self._on_turn_end)
+
+    def _on_turn_end(self) -> None:
+        self._turn_end_due = False
+        if self._in_flight < self.slots:
+            self._flush()
 
     def _on_window(self) -> None:
         self._timer = None
         # While every pool process is busy a smaller group would only wait in line: keep
-        # filling it until one is free (``_on_done`` flushes then).
+        # filling it until one is free (``_settle`` sends it then).
         if self._in_flight < self.slots:
             self._flush()
 
@@ -153,6 +187,8 @@ class Coalescer:
         for pending, ok in zip(group, done, strict=False):
             if ok is not True:
                 pending.run_as_task(self.consumer)
+        # A pool process is free again: what waited for one goes now (unless a window holds
+        # it longer; with none, ``elapsed >= 0`` always holds).
         if self._group and (
             len(self._group) >= self.max_items or time.monotonic() - self._opened >= self.window
         ):

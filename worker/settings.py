@@ -106,10 +106,13 @@ class Settings(BaseSettings):
     #: durable. Each pool process then reserves this many messages ahead. 0 or 1: off. The
     #: threads pool never coalesces.
     coalesce_max_items: int = Field(default=32, ge=0, le=1000)
-    #: Milliseconds a group waits for more requests after its first arrived, when a pool
-    #: process is free to apply it (while every one is busy, groups keep filling anyway).
-    #: 0: it goes at once, so groups form only while every pool process is busy.
-    coalesce_window_ms: float = Field(default=2.0, ge=0, le=1000)
+    #: Milliseconds a group waits for more requests after its first arrived even though a
+    #: pool process is free to apply it. 0 (default): it goes at the end of the event loop's
+    #: turn that delivered it, so no message waits while a process is idle; groups grow
+    #: while every process is busy (they go the moment one is free) and when one read
+    #: delivers several messages. A message never waits in the main process longer than
+    #: until a pool process is free or its group is full, plus this window.
+    coalesce_window_ms: float = Field(default=0.0, ge=0, le=1000)
 
     @property
     def coalescing(self) -> bool:

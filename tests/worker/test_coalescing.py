@@ -1,0 +1,162 @@
+"""When the worker's coalescer sends a group (worker/coalesce.py): never while a process idles.
+
+The policy is checked on a stand-in consumer (an event loop whose turns the test runs, a pool
+whose answers the test gives); the last test proves it on a real worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from checkpointq.tasks.messages import SAVE
+from checkpointq.worker.coalesce import Coalescer, _Pending
+from tests.support.checkpoints import make_checkpoint
+from tests.worker.conftest import Deployment
+
+
+@dataclass
+class Loop:
+    """An event loop's ``call_soon``: callbacks wait for the test to end the turn."""
+
+    soon: list[Callable[[], Any]] = field(default_factory=list)
+
+    def call_soon(self, callback: Callable[[], Any]) -> None:
+        self.soon.append(callback)
+
+    def end_turn(self) -> None:
+        due, self.soon = self.soon, []
+        for callback in due:
+            callback()
+
+
+@dataclass
+class Pool:
+    """``num_processes`` processes; each job waits until the test answers it."""
+
+    num_processes: int
+    jobs: list[tuple[list[Any], Callable[[list[bool]], None]]] = field(default_factory=list)
+
+    def apply_async(self, fn: Any, args: Any, callback: Any, error_callback: Any) -> None:
+        self.jobs.append((args[0], callback))
+
+    def answer(self, index: int = 0) -> None:
+        """The job applied every request of its group."""
+        requests, callback = self.jobs.pop(index)
+        callback([True] * len(requests))
+
+    def sizes(self) -> list[int]:
+        return [len(requests) for requests, _ in self.jobs]
+
+
+@dataclass
+class Rig:
+    coalescer: Coalescer
+    loop: Loop
+    pool: Pool
+    acked: list[str]
+
+    def deliver(self, *ids: str) -> None:
+        """Messages the broker reader hands over within one turn of the loop."""
+        for task_id in ids:
+            message = SimpleNamespace(body=b"[]", channel=None, delivery_tag=task_id)
+            self.coalescer.add(
+                _Pending(message, SAVE, task_id, self._ack(task_id), None, None, _no_fallback)
+            )
+
+    def _ack(self, task_id: str) -> Callable[..., None]:
+        return lambda *args: self.acked.append(task_id)
+
+
+def _no_fallback(*args: Any) -> None:
+    raise AssertionError("an applied request must not run again as a task")
+
+
+def _rig(*, processes: int = 2, max_items: int = 32, window: float = 0.0) -> Rig:
+    loop, pool, acked = Loop(), Pool(processes), list[str]()
+    consumer = SimpleNamespace(
+        pool=pool, hub=loop, timer=None, connection_errors=(), channel_errors=()
+    )
+    return Rig(Coalescer(consumer, max_items, window), loop, pool, acked)
+
+
+def test_messages_delivered_in_one_turn_go_as_one_group_when_the_turn_ends() -> None:
+    # Given an idle pool
+    rig = _rig()
+    # When one read of the broker delivers three messages in the same turn of the loop
+    rig.deliver("a", "b", "c")
+    # Then nothing is sent before the turn ends, and all three go together then
+    assert rig.pool.sizes() == []
+    rig.loop.end_turn()
+    assert rig.pool.sizes() == [3]
+
+
+def test_a_lone_message_goes_at_the_end_of_its_turn_while_a_process_is_idle() -> None:
+    # Given a pool with one process busy and one idle
+    rig = _rig()
+    rig.deliver("first")
+    rig.loop.end_turn()
+    # When a single message arrives
+    rig.deliver("lone")
+    rig.loop.end_turn()
+    # Then it goes alone to the idle process, without waiting for company
+    assert rig.pool.sizes() == [1, 1]
+
+
+def test_while_every_process_is_busy_a_group_fills_and_goes_when_one_is_free() -> None:
+    # Given both pool processes busy with a group each
+    rig = _rig()
+    for task_id in ("a", "b"):
+        rig.deliver(task_id)
+        rig.loop.end_turn()
+    # When more messages arrive over several turns
+    for task_id in ("c", "d", "e"):
+        rig.deliver(task_id)
+        rig.loop.end_turn()
+    # Then they wait, together, until a process is free, and go at once then
+    assert rig.pool.sizes() == [1, 1]
+    rig.pool.answer(0)
+    assert rig.acked == ["a"]
+    assert rig.pool.sizes() == [1, 3]
+
+
+def test_a_full_group_goes_at_once_even_while_every_process_is_busy() -> None:
+    # Given a single pool process, busy
+    rig = _rig(processes=1, max_items=3)
+    rig.deliver("a")
+    rig.loop.end_turn()
+    # When a group's worth of messages arrives
+    rig.deliver("b", "c", "d")
+    # Then it is handed to the pool without waiting for the turn's end or the process
+    assert rig.pool.sizes() == [1, 3]
+
+
+def test_each_message_is_acknowledged_only_once_its_group_answered() -> None:
+    # Given a group in the pool
+    rig = _rig()
+    rig.deliver("a", "b")
+    rig.loop.end_turn()
+    # Then nothing is acknowledged until the pool says the items are durable
+    assert rig.acked == []
+    rig.pool.answer()
+    assert sorted(rig.acked) == ["a", "b"]
+
+
+@pytest.mark.integration
+def test_a_lone_save_on_an_idle_worker_becomes_durable_and_acknowledged(live: Deployment) -> None:
+    # Given an idle coalescing worker (the default: groups of up to 32)
+    assert live.settings.coalescing
+    live.wait_drained()
+    with live.checkpoint_client() as client:
+        # When a single save arrives, and nothing after it
+        handle = client.save(make_checkpoint("lone-save", version=4))
+        # Then it is applied without waiting for a group to fill, and its message acknowledged
+        fence = client.wait_durable(handle, timeout=15)
+        assert handle.seq is not None and fence.seq >= handle.seq
+        live.wait_drained(timeout=15)
+        loaded = client.load("lone-save")
+        assert loaded is not None and loaded.version == 4
