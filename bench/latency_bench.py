@@ -14,8 +14,8 @@ redis-servers and all running at once, so that the ways can be interleaved:
 The target's rate is half the default worker's capacity, measured first in the same run as
 the drain rate of a queued burst of saves (the worker section's staged drain); every way is
 offered that same rate. Half the coalescing-off worker's burst capacity (the rate this
-section offered before coalescing) is offered to the default and the coalescing-off workers
-too, to tell a slower worker from a faster rate. A producer offers ``requests`` evenly paced
+section offered before coalescing) is offered to the default, 2 ms window and coalescing-off
+workers too, to tell a slower worker from a faster rate. A producer offers ``requests`` evenly paced
 saves through ``CheckpointClient.save`` (or ``BatchingClient``, 5 ms window); a watcher
 polls each request's fence (every 0.5 ms) in order and records when it became durable; a
 request's latency runs from just before its ``save`` call. Repetitions interleave the rows,
@@ -80,7 +80,7 @@ def run(config: RunConfig) -> SectionReport:
         Way(BATCHED, "save", batching=True),
     ]
     offers = [(default, HALF), (window, HALF), (off, HALF), (batched, HALF)]
-    offers += [(default, HALF_OFF), (off, HALF_OFF)]
+    offers += [(default, HALF_OFF), (window, HALF_OFF), (off, HALF_OFF)]
     latencies: dict[tuple[str, str], list[list[float]]] = {(w.label, r): [] for w, r in offers}
     sends: list[dict[str, float]] = []
     loads: list[float] = []
