@@ -59,6 +59,10 @@ def run(config: RunConfig) -> SectionReport:
     messages = 60 if config.quick else 3_000
     repeats = 1 if config.quick else min(config.repeats, 3)
     rates: dict[str, list[float]] = {w.label: [] for w in WAYS}
+    # CPU microseconds per save, per way and part (worker_drain.CPU_PARTS), per repetition.
+    cpu: dict[str, dict[str, list[float]]] = {
+        w.label: {part: [] for part in (*worker_drain.CPU_PARTS, "total")} for w in WAYS
+    }
     loads: list[float] = []
     broker, store = RedisServer().start(), RedisServer().start()
     client, stored = broker.client(), store.client()
@@ -74,9 +78,17 @@ def run(config: RunConfig) -> SectionReport:
                 staged = batches if way.batched else singles
                 with worker_drain.running_worker(
                     broker, store, kind=way.kind, settings=dict(way.settings)
-                ):
+                ) as worker:
                     loads.append(os.getloadavg()[0])
+                    meter = worker_drain.CpuMeter.of(worker, broker, store)
+                    before = meter.read()
                     rates[way.label].append(staged.rate(client, way.label))
+                    after = meter.read()
+                saves = staged.messages * staged.saves_per_message
+                for part in worker_drain.CPU_PARTS:
+                    cpu[way.label][part].append((after[part] - before[part]) * 1e6 / saves)
+                spent = sum(after.values()) - sum(before.values())
+                cpu[way.label]["total"].append(spent * 1e6 / saves)
                 if way is WAYS[3]:
                     applied = worker_drain.applied(store, "s", messages)
     finally:
@@ -87,7 +99,31 @@ def run(config: RunConfig) -> SectionReport:
     results = {label: summarize(values) for label, values in rates.items()}
     report = SectionReport("worker", "Worker: drain rates against plain Celery")
     _write(report, results, messages, repeats, loads, applied, config.quick)
+    per_way = {label: {p: summarize(v) for p, v in parts.items()} for label, parts in cpu.items()}
+    _write_cpu(report, per_way)
     return report
+
+
+def _write_cpu(report: SectionReport, cpu: dict[str, dict[str, Summary]]) -> None:
+    """CPU per save of each part, and plain Celery's total over ours: what the drains cost
+    whatever share of a loaded machine they got."""
+    plain = cpu[WAYS[0].label]["total"].median
+    report.lines += [
+        "",
+        "CPU per save (user + system, from /proc; median of the repetitions, microseconds): "
+        "the worker's main process, its pool processes, the broker and the store "
+        "redis-servers. Plain Celery's total over a way's total is how many more saves that "
+        "way gets from the same CPU time, whatever share of the machine it was given.",
+        "",
+        "| way | main | pool | broker | store | total | **plain CPU / this CPU** |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, parts in cpu.items():
+        cells = " | ".join(f"{parts[p].median:,.0f}" for p in (*worker_drain.CPU_PARTS, "total"))
+        total = parts["total"].median
+        # (CPU time is counted in clock ticks: a quick run may spend too little to count)
+        ratio = f"{plain / total:.2f}x" if total > 0 else "n/a"
+        report.lines.append(f"| {label} | {cells} | **{ratio}** |")
 
 
 def _write(

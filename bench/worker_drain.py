@@ -19,6 +19,7 @@ run). The workers:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -132,6 +133,45 @@ class Staged:
             flush=True,
         )
         return rate
+
+
+#: The parts of a drain whose CPU time is measured, in report order.
+CPU_PARTS = ("main", "pool", "broker", "store")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True, slots=True)
+class CpuMeter:
+    """CPU time of a worker's main process, its pool processes, and the two Redis servers.
+
+    On a machine shared with other work, wall-clock rates depend on the share of the CPUs a
+    drain gets; the CPU each part spends per save does not, or far less.
+    """
+
+    pids: dict[str, list[int]]
+
+    @classmethod
+    def of(cls, worker: CeleryProcess, broker: RedisServer, store: RedisServer) -> CpuMeter:
+        if not (worker.process and broker.process and store.process):
+            raise RuntimeError("the worker and both redis-servers must be running")
+        main = worker.process.pid
+        children = Path(f"/proc/{main}/task/{main}/children").read_text().split()
+        return cls(
+            {
+                "main": [main],
+                "pool": [int(child) for child in children],
+                "broker": [broker.process.pid],
+                "store": [store.process.pid],
+            }
+        )
+
+    def read(self) -> dict[str, float]:
+        return {part: sum(_cpu_seconds(pid) for pid in self.pids[part]) for part in CPU_PARTS}
 
 
 def stage(
