@@ -211,12 +211,12 @@ def _brpop_start(self: Any, timeout: Any = None) -> None:
     takes the room left in the prefetch window instead of BRPOP taking one message."""
     reading = _reading(self)
     reading.pending = None
-    if not reading.busy or not _reserving(self):
+    room = self.qos.can_consume_max_estimate()
+    if not reading.busy or (room is not None and room < reserve.MIN_ROOM) or not _reserving(self):
         _KOMBU_BRPOP_START(self, timeout)
         return
     queues = self._queue_cycle.consume(len(self.active_queues))
-    room = self.qos.can_consume_max_estimate()
-    if not queues or room == 0:
+    if not queues:
         return
     reading.pending, command = reserve.request(
         self, queues, reserve.BATCH_LIMIT if room is None else room

@@ -135,6 +135,22 @@ def test_one_read_reserves_the_prefetch_window_recorded_as_kombus_qos_records_it
         conn.close()
 
 
+def test_a_small_prefetch_window_reads_as_kombu_does(
+    guarded: None, broker: redis.Redis, redis_server: RedisServer, script_calls: list[int]
+) -> None:
+    # Given a consumer whose window holds fewer messages than a script call is worth
+    _publish(redis_server.url, 5)
+    conn, channel, received = _consume(redis_server.url, prefetch=reserve.MIN_ROOM)
+    try:
+        # When it reads until its window is full
+        wait_until(lambda: conn.drain_events(timeout=1) or not channel.qos.can_consume())
+        # Then every message came by BRPOP, recorded by kombu's own QoS
+        assert script_calls == [] and _popped_by_script(broker) == 0
+        assert len(received) == reserve.MIN_ROOM == broker.hlen(channel.unacked_key)
+    finally:
+        conn.close()
+
+
 def test_an_idle_consumer_still_wakes_on_the_first_message(
     guarded: None, broker: redis.Redis, redis_server: RedisServer, script_calls: list[int]
 ) -> None:
