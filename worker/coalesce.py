@@ -185,16 +185,18 @@ class Coalescer:
 
     def _settle(self, group: list[_Pending], done: list[bool]) -> None:
         self._in_flight -= 1
-        self._ack_together([p for p, ok in zip(group, done, strict=False) if ok is True])
-        for pending, ok in zip(group, done, strict=False):
-            if ok is not True:
-                pending.run_as_task(self.consumer)
-        # A pool process is free again: what waited for one goes now (unless a window holds
-        # it longer; with none, ``elapsed >= 0`` always holds).
+        # A pool process is free again: what waited for one goes first, so that the process
+        # does not idle through this group's acknowledgement round trip (unless a window
+        # holds it longer; with none, ``elapsed >= 0`` always holds). Writes are fenced by
+        # ``seq``, so a request of this group run again as a task below may follow it.
         if self._group and (
             len(self._group) >= self.max_items or time.monotonic() - self._opened >= self.window
         ):
             self._flush()
+        self._ack_together([p for p, ok in zip(group, done, strict=False) if ok is True])
+        for pending, ok in zip(group, done, strict=False):
+            if ok is not True:
+                pending.run_as_task(self.consumer)
 
     def _ack_together(self, applied: list[_Pending]) -> None:
         """Acknowledge the applied requests' messages in one round trip.

@@ -59,6 +59,7 @@ class Rig:
     loop: Loop
     pool: Pool
     acked: list[str]
+    on_ack: Callable[[], None] = lambda: None
 
     def deliver(self, *ids: str) -> None:
         """Messages the broker reader hands over within one turn of the loop."""
@@ -69,7 +70,11 @@ class Rig:
             )
 
     def _ack(self, task_id: str) -> Callable[..., None]:
-        return lambda *args: self.acked.append(task_id)
+        def ack(*args: Any) -> None:
+            self.on_ack()
+            self.acked.append(task_id)
+
+        return ack
 
 
 def _no_fallback(*args: Any) -> None:
@@ -122,6 +127,23 @@ def test_while_every_process_is_busy_a_group_fills_and_goes_when_one_is_free() -
     rig.pool.answer(0)
     assert rig.acked == ["a"]
     assert rig.pool.sizes() == [1, 3]
+
+
+def test_a_freed_process_gets_the_waiting_group_before_the_acks_are_written() -> None:
+    # Given both pool processes busy and a group waiting for one
+    rig = _rig()
+    for task_id in ("a", "b"):
+        rig.deliver(task_id)
+        rig.loop.end_turn()
+    rig.deliver("c", "d")
+    rig.loop.end_turn()
+    seen: list[list[int]] = []
+    rig.on_ack = lambda: seen.append(rig.pool.sizes())
+    # When the first group's answer comes back
+    rig.pool.answer(0)
+    # Then the waiting group was already in the pool when the answered one was acknowledged
+    assert seen == [[1, 2]]
+    assert rig.acked == ["a"]
 
 
 def test_a_full_group_goes_at_once_even_while_every_process_is_busy() -> None:
