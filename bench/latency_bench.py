@@ -225,7 +225,8 @@ def _breakdown(trace: Path, sends: list[dict[str, float]]) -> Breakdown:
                 continue  # the capacity burst, or another rate's runs
             b.sizes.append(len(group["items"]))
             b.in_pool.append((group["done"] - group["sent"]) * 1000)
-            b.acking.append((group["acked"] - group["done"]) * 1000)
+            if "ack" in group:
+                b.acking.append((group["ack"][1] - group["ack"][0]) * 1000)
             b.sent_while_busy += bool(group["in_pool"])
             for task_id, arrived in group["items"]:
                 b.in_main.append((group["sent"] - arrived) * 1000)
@@ -283,7 +284,7 @@ def _write(
         ("producer's `save` -> reaches the coalescer (in the broker's list, read)", b.in_broker),
         ("waits in the main process for its group to be sent", b.in_main),
         ("group sent -> pool's answer back (applied, durable)", b.in_pool),
-        ("answer -> acknowledged (one pipeline per group)", b.acking),
+        ("acknowledging the group's messages (one pipeline)", b.acking),
     ):
         if values:
             row = " | ".join(f"{percentile(values, q):.1f}" for q in (50, 90, 99))
