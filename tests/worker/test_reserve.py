@@ -331,7 +331,7 @@ NOT_KOMBUS = {
     "raw tab in a string": b'"n": "a\tb"',
     "kombu type object": b'"n": {"__type__": "bogus", "__value__": 1}',
     "nested too deep": b'"n": ' + b"[" * 200 + b"]" * 200,
-    "unicode escape": b'"n": "\\u00e9"',
+    "kombu type object, escaped": b'"n": {"\\u005f_type__": "bogus", "__value__": 1}',
 }
 
 
@@ -349,6 +349,7 @@ STANDARD = {
     "numbers": {"a": [0, -1, 2.5, -0.5e-3, 1e5, 12345678901234567890]},
     "literals": {"a": [True, False, None]},
     "escapes": {"a": 'say "hi" \\ bye / ok'},
+    "unicode escapes": {"a": "caf\u00e9 \u2028 \U0001f600"},
     "long strings": {"a": "y" * 5_000, "b": ["z" * 300]},
 }
 

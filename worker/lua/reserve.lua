@@ -55,10 +55,18 @@ end
 -- must judge the item. What cjson accepts and kombu's loads refuses must never reach the
 -- unacked hash, where kombu's restore would fail on it at every pass: raw control
 -- characters, numbers such as 0x10, 01, +1, 1., nan or inf, deep nesting, and objects that
--- kombu's object hook turns into types ("__type__"). Items with escapes (rare: kombu's
--- envelopes carry the body in base64) are decoded whole; "\u" escapes go kombu's way.
--- Plain (memchr) searches and one walk from quote to quote keep this cheap for large items:
--- Lua's pattern classes cost ~10 ns per byte, a large string made in Lua ~40 us.
+-- kombu's object hook turns into types ("__type__", however spelled). Items with escapes
+-- (in the headers; kombu's envelopes carry the body in base64) are decoded whole. Plain
+-- (memchr) searches and one walk from quote to quote keep this cheap for large items: Lua's
+-- pattern classes cost ~10 ns per byte, a large string made in Lua ~40 us.
+local function typed(value)
+  if type(value) ~= 'table' then return false end
+  for key, inner in pairs(value) do
+    if key == '__type__' or typed(inner) then return true end
+  end
+  return false
+end
+
 local function envelope_of(item)
   if string.find(item, '__type__', 1, true) then return nil end
   for _, byte in ipairs(CONTROL) do
@@ -66,10 +74,7 @@ local function envelope_of(item)
   end
   local text = item
   local escaped = string.find(item, '\\', 1, true)
-  if escaped then
-    if string.find(item, '\\u', 1, true) then return nil end
-    text = string.gsub(item, '\\.', '')
-  end
+  if escaped then text = string.gsub(item, '\\.', '') end
   -- Without escapes, each string runs from one quote to the next.
   local outside, skeleton, at = {}, {}, 1
   while true do
@@ -86,8 +91,10 @@ local function envelope_of(item)
   end
   if not standard(table.concat(outside, ' ')) then return nil end
   local ok, envelope = pcall(cjson.decode, escaped and item or table.concat(skeleton))
-  if ok and type(envelope) == 'table' then return envelope end
-  return nil
+  if not ok or type(envelope) ~= 'table' then return nil end
+  -- (unescaped, "__type__" would have been found above)
+  if escaped and typed(envelope) then return nil end
+  return envelope
 end
 
 -- The tag, exchange and routing key of an envelope, or nil when kombu's path must judge it.
