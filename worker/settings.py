@@ -106,13 +106,13 @@ class Settings(BaseSettings):
     #: durable. Each pool process then reserves this many messages ahead. 0 or 1: off. The
     #: threads pool never coalesces.
     coalesce_max_items: int = Field(default=32, ge=0, le=1000)
-    #: Milliseconds a group waits for more requests after its first arrived even though a
-    #: pool process is free to apply it. 0 (default): it goes at the end of the event loop's
-    #: turn that delivered it, so no message waits while a process is idle; groups grow
-    #: while every process is busy (they go the moment one is free) and when one read
-    #: delivers several messages. A message never waits in the main process longer than
-    #: until a pool process is free or its group is full, plus this window.
-    coalesce_window_ms: float = Field(default=0.0, ge=0, le=1000)
+    #: Milliseconds a group may wait for more requests after its first arrived while another
+    #: group is in the pool and a pool process is idle (default 2). With nothing in the pool
+    #: a group goes at the end of the event loop's turn that delivered it; while every pool
+    #: process is busy it fills and goes the moment one is free. 0: never wait while a
+    #: process is idle (more, smaller groups under load). A message waits in the main
+    #: process at most this long, or until a pool process is free or its group is full.
+    coalesce_window_ms: float = Field(default=2.0, ge=0, le=1000)
 
     @property
     def coalescing(self) -> bool:

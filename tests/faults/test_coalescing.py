@@ -19,9 +19,9 @@ from tests.faults.harness import (
 )
 from tests.support.servers import wait_until
 
-#: The default coalescing (groups of up to 32, no window: they grow while every pool process
-#: is busy, which the pushed load keeps them), so that a kill lands while messages are grouped.
-COALESCE = {"coalesce_max_items": 32, "coalesce_window_ms": 0.0}
+#: The default coalescing (groups of up to 32 that grow while the pool is busy, which the
+#: pushed load keeps it), so that a kill lands while messages are grouped.
+COALESCE = {"coalesce_max_items": 32, "coalesce_window_ms": 2.0}
 GROUP_LOST = "each runs alone"
 #: Messages the worker must hold (reserved, in groups or being applied) when it is killed:
 #: more than one, so that a group was in the making or in flight.

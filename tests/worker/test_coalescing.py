@@ -1,7 +1,8 @@
-"""When the worker's coalescer sends a group (worker/coalesce.py): never while a process idles.
+"""When the worker's coalescer sends a group (worker/coalesce.py): at once on an idle worker.
 
 The policy is checked on a stand-in consumer (an event loop whose turns the test runs, a pool
-whose answers the test gives); the last test proves it on a real worker.
+whose answers and a timer whose expiries the test gives); without a window unless a test
+says so. The last test proves it on a real worker (the default: a 2 ms window).
 """
 
 from __future__ import annotations
@@ -54,10 +55,30 @@ class Pool:
 
 
 @dataclass
+class Timer:
+    """The consumer's timer: entries wait for the test to fire them."""
+
+    entries: list[Callable[[], Any]] = field(default_factory=list)
+
+    def call_after(self, seconds: float, callback: Callable[[], Any]) -> Callable[[], Any]:
+        self.entries.append(callback)
+        return callback
+
+    def cancel(self, entry: Callable[[], Any]) -> None:
+        self.entries.remove(entry)
+
+    def fire(self) -> None:
+        due, self.entries = self.entries, []
+        for callback in due:
+            callback()
+
+
+@dataclass
 class Rig:
     coalescer: Coalescer
     loop: Loop
     pool: Pool
+    timer: Timer
     acked: list[str]
     on_ack: Callable[[], None] = lambda: None
 
@@ -68,6 +89,12 @@ class Rig:
             self.coalescer.add(
                 _Pending(message, SAVE, task_id, self._ack(task_id), None, None, _no_fallback)
             )
+
+    def turns(self, *ids: str) -> None:
+        """Messages arriving one per turn of the loop."""
+        for task_id in ids:
+            self.deliver(task_id)
+            self.loop.end_turn()
 
     def _ack(self, task_id: str) -> Callable[..., None]:
         def ack(*args: Any) -> None:
@@ -82,11 +109,11 @@ def _no_fallback(*args: Any) -> None:
 
 
 def _rig(*, processes: int = 2, max_items: int = 32, window: float = 0.0) -> Rig:
-    loop, pool, acked = Loop(), Pool(processes), list[str]()
+    loop, pool, timer, acked = Loop(), Pool(processes), Timer(), list[str]()
     consumer = SimpleNamespace(
-        pool=pool, hub=loop, timer=None, connection_errors=(), channel_errors=()
+        pool=pool, hub=loop, timer=timer, connection_errors=(), channel_errors=()
     )
-    return Rig(Coalescer(consumer, max_items, window), loop, pool, acked)
+    return Rig(Coalescer(consumer, max_items, window), loop, pool, timer, acked)
 
 
 def test_messages_delivered_in_one_turn_go_as_one_group_when_the_turn_ends() -> None:
@@ -103,11 +130,9 @@ def test_messages_delivered_in_one_turn_go_as_one_group_when_the_turn_ends() -> 
 def test_a_lone_message_goes_at_the_end_of_its_turn_while_a_process_is_idle() -> None:
     # Given a pool with one process busy and one idle
     rig = _rig()
-    rig.deliver("first")
-    rig.loop.end_turn()
+    rig.turns("first")
     # When a single message arrives
-    rig.deliver("lone")
-    rig.loop.end_turn()
+    rig.turns("lone")
     # Then it goes alone to the idle process, without waiting for company
     assert rig.pool.sizes() == [1, 1]
 
@@ -115,13 +140,9 @@ def test_a_lone_message_goes_at_the_end_of_its_turn_while_a_process_is_idle() ->
 def test_while_every_process_is_busy_a_group_fills_and_goes_when_one_is_free() -> None:
     # Given both pool processes busy with a group each
     rig = _rig()
-    for task_id in ("a", "b"):
-        rig.deliver(task_id)
-        rig.loop.end_turn()
+    rig.turns("a", "b")
     # When more messages arrive over several turns
-    for task_id in ("c", "d", "e"):
-        rig.deliver(task_id)
-        rig.loop.end_turn()
+    rig.turns("c", "d", "e")
     # Then they wait, together, until a process is free, and go at once then
     assert rig.pool.sizes() == [1, 1]
     rig.pool.answer(0)
@@ -132,9 +153,7 @@ def test_while_every_process_is_busy_a_group_fills_and_goes_when_one_is_free() -
 def test_a_freed_process_gets_the_waiting_group_before_the_acks_are_written() -> None:
     # Given both pool processes busy and a group waiting for one
     rig = _rig()
-    for task_id in ("a", "b"):
-        rig.deliver(task_id)
-        rig.loop.end_turn()
+    rig.turns("a", "b")
     rig.deliver("c", "d")
     rig.loop.end_turn()
     seen: list[list[int]] = []
@@ -146,11 +165,43 @@ def test_a_freed_process_gets_the_waiting_group_before_the_acks_are_written() ->
     assert rig.acked == ["a"]
 
 
+def test_with_nothing_in_the_pool_a_lone_message_does_not_wait_for_the_window() -> None:
+    # Given an idle worker with a window
+    rig = _rig(window=0.002)
+    # When a single message arrives
+    rig.turns("lone")
+    # Then it goes at the end of its turn, and no timer waits for company
+    assert rig.pool.sizes() == [1]
+    assert rig.timer.entries == []
+
+
+def test_with_another_group_in_the_pool_an_idle_process_gets_a_group_after_the_window() -> None:
+    # Given a window, and one pool process busy with a group
+    rig = _rig(window=0.002)
+    rig.turns("a")
+    # When messages arrive over two turns
+    rig.turns("b", "c")
+    # Then they wait together for the window, and go to the idle process when it passes
+    assert rig.pool.sizes() == [1]
+    rig.timer.fire()
+    assert rig.pool.sizes() == [1, 2]
+
+
+def test_a_group_held_by_the_window_goes_at_once_when_the_pool_empties() -> None:
+    # Given a group held by the window while another is in the pool
+    rig = _rig(window=0.002)
+    rig.turns("a", "b")
+    # When the group in the pool answers
+    rig.pool.answer(0)
+    # Then the held group goes at once, and its timer is cancelled
+    assert rig.pool.sizes() == [1]
+    assert rig.timer.entries == []
+
+
 def test_a_full_group_goes_at_once_even_while_every_process_is_busy() -> None:
     # Given a single pool process, busy
     rig = _rig(processes=1, max_items=3)
-    rig.deliver("a")
-    rig.loop.end_turn()
+    rig.turns("a")
     # When a group's worth of messages arrives
     rig.deliver("b", "c", "d")
     # Then it is handed to the pool without waiting for the turn's end or the process
