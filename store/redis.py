@@ -700,25 +700,36 @@ class RedisStore(CheckpointStore):
         return expired
 
     def _expire_on_cluster(self, candidates: list[str], now_ms: int) -> list[str]:
-        """One expire script per id, sent as EVALSHA down the connection of the node serving
-        the id's slot (a cluster pipeline could only send the whole script text, through a
-        slower client path). An id whose slot moved meanwhile is not expired now: it stays
-        due and the next sweep, with the slot map relearned, expires it."""
-        self._chunks_by_node()  # relearns the slot map first if a call failed
-        slots = self.client.nodes_manager.slots_cache
+        """One expire script per id, on the node serving the id's slot (``on_slot_nodes``).
+        An id whose slot moved meanwhile is not expired now: it stays due and the next
+        sweep, with the slot map relearned, expires it."""
         expired: list[str] = []
         for start in range(0, len(candidates), SWEEP_BATCH * 4):
             batch = candidates[start : start + SWEEP_BATCH * 4]
-            calls = []
-            for session_id in batch:
-                session = self.keys.session(session_id)
-                node = slots[self.keys.shard(session_id)][0]
-                calls.append((node, session.as_list(), [now_ms, session_id]))
-            results = self._on_nodes(
-                "expire stale sessions", self.scripts.expire, calls, per_call_errors=True
-            )
+            calls = [
+                (self.keys.shard(sid), self.keys.session(sid).as_list(), [now_ms, sid])
+                for sid in batch
+            ]
+            results = self.on_slot_nodes("expire stale sessions", self.scripts.expire, calls)
             expired.extend(sid for sid, done in zip(batch, results, strict=True) if done == 1)
         return expired
+
+    def on_slot_nodes(
+        self, action: str, script: Script, calls: list[tuple[int, list[str], list[Any]]]
+    ) -> list[Any]:
+        """Cluster only: run ``script`` once per ``(slot, keys, args)``, as EVALSHA down the
+        connection of the node serving that slot, one pipeline per node, the nodes at once
+        (a cluster pipeline could only send the whole script text each time, through a
+        slower client path). Replies come in call order; a call whose slot moved meanwhile
+        (MOVED) gets its exception as its reply, and the next call relearns the slot map.
+
+        Raises:
+            StoreUnavailable: a node failed.
+        """
+        self._chunks_by_node()  # relearns the slot map first if a call failed
+        slots = self.client.nodes_manager.slots_cache
+        node_calls: list[_NodeCall] = [(slots[slot][0], keys, args) for slot, keys, args in calls]
+        return self._on_nodes(action, script, node_calls, per_call_errors=True)
 
     # -- maintenance --------------------------------------------------------------------
 
