@@ -6,10 +6,15 @@ Sessions are written as the sweep section writes them (pipelined ``SET PXAT`` / 
 ``save`` before measuring); on the cluster each node's share goes down that node's own
 connection, its index entries into the slot index of each session's data key.
 
-Figures: ``list()`` of every session; a sweep with nothing due (``expire_stale`` with the
-beat's limit), which on the cluster reads all 16384 slot indexes; and a sweep of a staged
-batch of stale sessions. "Longest call" is Redis's own account (SLOWLOG at a 0 us threshold
-on every node during the sweeps): a script counts as one command.
+Figures: ``list()`` of every session; a full pass with nothing due (on the cluster it reads
+all 16384 slot indexes, as every ``CHECKPOINTQ_SWEEP_FULL_PASS_SECONDS``; on a single Redis
+it is the ordinary sweep); then a sweep with nothing due (``expire_stale`` with the beat's
+limit), which on the cluster reads the sweep hint only; and a sweep of the staged batch of
+stale sessions. Stale sessions are staged behind the store's back, with a TTL far below the
+store's, so the full pass before the measured sweeps is what tells the hint of them, as it
+would have known of sessions saved a TTL ago. "Longest call" is Redis's own account
+(SLOWLOG at a 0 us threshold on every node during the sweeps): a script counts as one
+command.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ class LayoutResult:
     sessions: int
     populate_seconds: float
     list_seconds: Summary
+    #: A sweep with nothing due that reads every slot index (None: a single Redis has one).
+    full_pass_ms: Summary | None
     empty_sweep_ms: Summary
     #: Redis's own time for an empty sweep on the busiest node (the sum of that node's calls,
     #: SLOWLOG): what the sweep costs a master, and its wall time when masters have cores
@@ -117,9 +124,14 @@ class ClusterPopulation(Population):
                 pipe.execute()
 
 
+#: The full-pass period of the measured stores: longer than the 2 h by which the stale sweep
+#: looks ahead, so that it reads the slots the hint names, as the sweeps between full passes do.
+FULL_PASS_SECONDS = 3 * 3600.0
+
+
 def _on_single_redis(size: Sizes, config: RunConfig) -> LayoutResult:
     with private_redis("--slowlog-max-len", "1000000") as client:
-        store = RedisStore(client, options=StoreOptions())
+        store = RedisStore(client, options=StoreOptions(sweep_full_pass_seconds=FULL_PASS_SECONDS))
         return _measure("single Redis", store, Population(store, client), [client], size, config)
 
 
@@ -130,7 +142,11 @@ def _on_cluster(size: Sizes, config: RunConfig) -> LayoutResult:
             probe = node.client()
             probe.config_set("slowlog-max-len", 1_000_000)
             probe.close()
-        store = RedisStore.from_url(cluster.url, options=StoreOptions(), socket_timeout=60)
+        store = RedisStore.from_url(
+            cluster.url,
+            options=StoreOptions(sweep_full_pass_seconds=FULL_PASS_SECONDS),
+            socket_timeout=60,
+        )
         assert isinstance(store.keys, ClusterKeySpace)
         masters = [node.client() for node in cluster.nodes]
         try:
@@ -157,7 +173,8 @@ def _measure(
     population.write(live, 30 * DAY_MS)
     populate_seconds = time.perf_counter() - started
     population.check_layout(live[0])
-    lists, empties, node_ms, sweeps, rates = [], [], [], [], []
+    cluster = isinstance(store.keys, ClusterKeySpace)
+    lists, fulls, empties, node_ms, sweeps, rates = [], [], [], [], [], []
     longest: tuple[float, str] = (0.0, "")
     for rep in range(config.repeats):
         stale = [f"stale-{rep}-{i:05d}" for i in range(size.stale)]
@@ -167,6 +184,15 @@ def _measure(
         lists.append(time.perf_counter() - started)
         if len(listed) != size.sessions:
             raise RuntimeError(f"list() gave {len(listed)} sessions, expected {size.sessions}")
+        if cluster:
+            store.client.delete(store.keys.sweep_hint())  # the next sweep is a full pass
+        with _slowlogs(nodes) as calls:
+            started = time.perf_counter()
+            none = store.expire_stale(limit=SWEEP_LIMIT)
+            fulls.append((time.perf_counter() - started) * 1000)
+        longest = max(longest, _longest(calls))
+        if none:
+            raise RuntimeError(f"the full pass expired {len(none)} live sessions")
         with _slowlogs(nodes) as calls:
             started = time.perf_counter()
             none = store.expire_stale(limit=SWEEP_LIMIT)
@@ -190,6 +216,7 @@ def _measure(
         size.sessions,
         populate_seconds,
         summarize(lists),
+        summarize(fulls) if cluster else None,
         summarize(empties),
         summarize(node_ms),
         summarize(sweeps),
@@ -230,18 +257,24 @@ def _write(
         f"stale in each of {config.repeats} repetitions (re-staged each time), on one private "
         "redis-server and on a private 3-master cluster (no replicas) on this machine. "
         f"`list()` returns every live id; the sweeps are `expire_stale(limit={SWEEP_LIMIT:,})`, "
-        "what the beat's sweep task runs. On the cluster a sweep reads the due ids of all "
-        "16384 slot indexes with `due.lua`, 1024 slots per call, one pipeline per node.",
+        "what the beat's sweep task runs. On the cluster a sweep reads the slot indexes the "
+        "sweep hint names (one call when none is due); a full pass (every "
+        "`CHECKPOINTQ_SWEEP_FULL_PASS_SECONDS`, 300 s by default, or with no hint) reads all "
+        "16384 with `due.lua`, 256 slots per call, one pipeline per node. Here each "
+        "repetition drops the hint and times the full pass, then the sweeps (the stores' "
+        f"full-pass period is {FULL_PASS_SECONDS / 3600:g} h, so that the stale sweep, 2 h "
+        "ahead, reads the slots the hint names).",
         "",
-        "| deployment | populate s | `list()` of all, s | **sweep, nothing due, ms** | "
-        "of which Redis time on the busiest node, ms | "
+        "| deployment | populate s | `list()` of all, s | full pass, nothing due, ms | "
+        "**sweep, nothing due, ms** | of which Redis time on the busiest node, ms | "
         f"sweep of {size.stale:,} stale, s | expirations/s | longest call |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
+        full = r.full_pass_ms.fmt(".1f") if r.full_pass_ms else "— (one index)"
         lines.append(
-            f"| {r.layout} | {r.populate_seconds:.1f} | {r.list_seconds.fmt('.2f')} | "
-            f"**{r.empty_sweep_ms.fmt('.1f')}** | {r.empty_sweep_node_ms.fmt('.1f')} | "
+            f"| {r.layout} | {r.populate_seconds:.1f} | {r.list_seconds.fmt('.2f')} | {full} | "
+            f"**{r.empty_sweep_ms.fmt('.2f')}** | {r.empty_sweep_node_ms.fmt('.2f')} | "
             f"{r.stale_sweep_seconds.fmt('.3f')} | "
             f"{r.expirations_per_second.fmt()} | {r.longest_call_ms:.2f} ms ({r.longest_call}) |"
         )
