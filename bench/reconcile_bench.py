@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -74,6 +75,10 @@ class PassResult:
     longest_call: str
     #: The largest histogram bucket that holds a call: the longest call is at most this.
     longest_bucket_ms: float
+    #: The servers' main threads during the passes: preemptions, and seconds spent waiting
+    #: for a CPU while runnable (machine load, not the calls' own work).
+    preempted: int
+    waited_seconds: float
 
 
 @dataclass
@@ -194,6 +199,8 @@ def _measure(deployment: _Deployment, sessions: int, budget: int, config: RunCon
         longest[0],
         longest[1],
         top_bucket,
+        timings.preempted,
+        timings.waited,
     )
 
 
@@ -230,6 +237,25 @@ def _one_pass(store: RedisStore, budget: int) -> tuple[int, float, int, float]:
             return count, total, examined, slice_max
 
 
+def _main_thread(node: redis.Redis) -> Path:
+    """``/proc`` directory of a local redis-server's main thread (its tid is its pid)."""
+    pid = int(node.info("server")["process_id"])
+    return Path(f"/proc/{pid}/task/{pid}")
+
+
+def _scheduling(thread: Path) -> tuple[int, float]:
+    """The thread's involuntary context switches so far, and its time spent runnable but
+    waiting for a CPU (s): when such a wait falls inside a command, Redis times it too."""
+    waited_ns = int((thread / "schedstat").read_text().split()[1])
+    status = (thread / "status").read_text()
+    preempted = next(
+        int(line.split()[1])
+        for line in status.splitlines()
+        if line.startswith("nonvoluntary_ctxt_switches")
+    )
+    return preempted, waited_ns / 1e9
+
+
 class _Timings:
     """Redis's own timings of the pass's calls, over every node and repetition."""
 
@@ -237,17 +263,27 @@ class _Timings:
         #: Calls per histogram bucket (upper bound in us), not cumulative.
         self.buckets: Counter[int] = Counter()
         self.slow: list[tuple[float, str]] = []
+        #: What the kernel says of the servers' main threads during the passes: how often
+        #: they were preempted, and how long they waited, runnable, for a CPU (s).
+        self.preempted = 0
+        self.waited = 0.0
 
     @contextmanager
     def recording(self, nodes: Sequence[redis.Redis]) -> Iterator[None]:
+        threads = [_main_thread(node) for node in nodes]
         for node in nodes:
             node.config_set("slowlog-log-slower-than", SLOWLOG_THRESHOLD_US)
             node.config_set("slowlog-max-len", 100_000)
             node.slowlog_reset()
             node.config_resetstat()  # the latency histograms too
+        before = [_scheduling(thread) for thread in threads]
         try:
             yield
         finally:
+            for thread, (preempted, waited) in zip(threads, before, strict=True):
+                now_preempted, now_waited = _scheduling(thread)
+                self.preempted += now_preempted - preempted
+                self.waited += now_waited - waited
             for node in nodes:
                 node.config_set("slowlog-log-slower-than", -1)
                 self._read(node)
@@ -304,12 +340,15 @@ def _write(
         "pass looked at (about 2 per session). Convergence under beat is slices x "
         f"`CHECKPOINTQ_RECONCILE_INTERVAL_SECONDS` ({interval:g} s by default). Calls are "
         "Redis's own timings, every node: counts and p99.9 from `LATENCY HISTOGRAM` "
-        "(power-of-two buckets: upper bounds), calls over 5 ms from SLOWLOG at 5,000 us.",
+        "(power-of-two buckets: upper bounds), calls over 5 ms from SLOWLOG at 5,000 us. Both "
+        "are wall time: the last column says how often the kernel preempted the servers' "
+        "main threads during the passes, and how long they then waited for a CPU, time "
+        "that lands inside whatever command was running.",
         "",
         "| deployment | sessions | slices per pass | pass, s (back to back) | **items/s** | "
         "longest slice, s | **convergence under beat** | calls | p99.9 call | "
-        "longest call | **server-side calls > 5 ms** |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "longest call | **server-side calls > 5 ms** | servers preempted / waiting for a CPU |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         convergence = r.slices.median * interval
@@ -322,7 +361,8 @@ def _write(
             f"| {r.deployment} | {r.sessions:,} | {r.slices.median:,.0f} | "
             f"{r.pass_seconds.fmt('.1f')} | **{r.items_per_second.fmt()}** | "
             f"{r.longest_slice_seconds:.2f} | **{convergence / 60:,.1f} min** | {r.calls:,} | "
-            f"<= {r.p999_call_ms:.3g} ms | {longest} | **{r.calls_over_target:,}** |"
+            f"<= {r.p999_call_ms:.3g} ms | {longest} | **{r.calls_over_target:,}** | "
+            f"{r.preempted:,} times / {r.waited_seconds:.1f} s |"
         )
     worst = max(r.calls_over_target for r in results)
     longest_ms = max(

@@ -41,9 +41,10 @@ logger = logging.getLogger(__name__)
 #: entries: ~0.1-0.3 ms of Redis time, far from the 5 ms that no call may exceed.
 SCAN_COUNT = 250
 
-#: Sessions one ``reconcile.lua`` call handles (of one slot): ~6 commands each, so a call
-#: stays well under a millisecond of Redis time.
-SCRIPT_SESSIONS = 100
+#: Sessions one ``reconcile.lua`` call handles (of one slot): 3-7 commands each. At 100, a
+#: call took 0.73 ms of Redis time on average (1M sessions, a loaded 2-core machine); 50
+#: keep a call near a third of a millisecond, far under the 5 ms no call may take.
+SCRIPT_SESSIONS = 50
 
 #: What an (almost) empty ZSCAN counts against a slice's budget: a round trip's worth.
 MIN_ZSCAN_COST = 16

@@ -74,6 +74,10 @@ INDEXES_PER_CALL = 256
 #: The sweep hint's member whose score is when the next full pass is due.
 HINT_FULL = "full"
 
+#: Most slots one sweep reads on the hint's word; when more are due, it reads them all in
+#: a full pass instead, so that no hint read returns more than a few thousand members.
+HINTED_SLOTS_PER_SWEEP = 4096
+
 #: How far behind another writer's clock may be and its deadlines still be found by the
 #: sweep hint rather than by the next full pass (at most half the TTL).
 HINT_SKEW_MS = 60_000
@@ -486,8 +490,10 @@ class RedisStore(CheckpointStore):
         """Up to ``limit`` due ids: from the slots the sweep hint names, or every slot's
         when a full pass is due; the hint is then updated with what was read."""
         with _store_errors("read the sweep hint"):
-            named = self.scripts.hinted(keys=[self.keys.sweep_hint()], args=[now_ms])
-        if named is None or HINT_FULL.encode() in named:
+            named = self.scripts.hinted(
+                keys=[self.keys.sweep_hint()], args=[now_ms, HINTED_SLOTS_PER_SWEEP + 1]
+            )
+        if named is None or named == [HINT_FULL.encode()] or len(named) > HINTED_SLOTS_PER_SWEEP:
             return self._full_pass(now_ms, limit)
         if not named:
             return []
@@ -568,10 +574,11 @@ class RedisStore(CheckpointStore):
             scores[HINT_FULL] = clock_ms + _ms(self.options.sweep_full_pass_seconds)
         items = list(scores.items())
         with _store_errors("record the sweep hint"):
+            # Bounded ZADDs (a full pass writes 16385 members), in one round trip.
+            pipe = self.client.pipeline(transaction=False)
             for start in range(0, len(items), INDEXES_PER_CALL):
-                self.client.zadd(
-                    self.keys.sweep_hint(), dict(items[start : start + INDEXES_PER_CALL])
-                )
+                pipe.zadd(self.keys.sweep_hint(), dict(items[start : start + INDEXES_PER_CALL]))
+            pipe.execute()
 
     def mark_slots_due(self, slots: set[int], now_ms: int) -> None:
         """Cluster only: have the next sweep read these slots' indexes (reconciliation
