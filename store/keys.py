@@ -8,7 +8,7 @@ Single Redis (``KeySpace``; prefix ``agentorca-session``, the Go default)::
     agentorca-session.cq:sweep-lock     short lock held by one sweep at a time
     agentorca-session.cq:dead-letters   stream of requests that could not be applied
     agentorca-session.cq:refused:<req>  hash: why request <req> was dead-lettered, and where
-    agentorca-session.cq:events         stream of expired/deleted session ids
+    agentorca-session.cq:events         stream of expired and dropped session ids
     agentorca-session.cq:reconcile      hash: where the reconciliation pass stands
     agentorca-session.cq:sweep-hint     sorted set, cluster only: slot -> earliest deadline
     agentorca-session.cq:write-probe    written by workers and health checks: "can we write?"

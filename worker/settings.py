@@ -146,7 +146,8 @@ class Settings(BaseSettings):
     reconcile_budget: int = Field(default=50_000, ge=1)
     #: Entries kept in the dead-letter stream (oldest trimmed first).
     dead_letter_maxlen: int = Field(default=100_000, ge=100)
-    #: Entries kept in the events stream (expired/deleted session ids).
+    #: Entries kept in the events stream (expired sessions, and sessions reconciliation
+    #: dropped after another writer deleted them: docs/protocol.md, "Events").
     events_maxlen: int = Field(default=100_000, ge=100)
 
     # -- logging ----------------------------------------------------------------------
