@@ -249,7 +249,8 @@ func (c *Client[C]) enqueue(ctx context.Context, h Handle, body []byte, argsRepr
 	return h, nil
 }
 
-// publish LPUSHes msg, retrying failed pushes with backoff until PublishTimeout. A push
+// publish LPUSHes msg, retrying failed pushes with backoff until PublishTimeout, except
+// for an error reply that retrying cannot change (a *RedisError, at once). A push
 // that failed after all may still have landed, so one request can arrive twice: harmless,
 // since requests are fenced by seq.
 func (c *Client[C]) publish(ctx context.Context, h Handle, msg []byte) error {
@@ -260,6 +261,10 @@ func (c *Client[C]) publish(ctx context.Context, h Handle, msg []byte) error {
 		err := c.cfg.Broker.LPush(ctx, c.cfg.Queue, msg)
 		if err == nil {
 			return nil
+		}
+		op := fmt.Sprintf("the publish of %s for session %q to queue %q", h.Task, h.SessionID, c.cfg.Queue)
+		if refused := c.permanent("broker", op, err); refused != nil {
+			return refused
 		}
 		fail := func(cause error) error {
 			return fmt.Errorf("%w: %s for session %q not published to queue %q (%d attempt(s) within %s): %v",
@@ -303,7 +308,7 @@ func (c *Client[C]) LoadWithSeq(ctx context.Context, sessionID string) (*C, int6
 	keys := []string{c.keys.data(sessionID), c.keys.fence(sessionID)}
 	reply, err := c.cfg.Store.Eval(ctx, loadScript, keys)
 	if err != nil {
-		return nil, 0, fmt.Errorf("%w: load %q: %v", ErrStoreUnavailable, sessionID, err)
+		return nil, 0, c.readError(fmt.Sprintf("the load of session %q", sessionID), err)
 	}
 	items, err := replyList(reply, 5)
 	if err != nil {
@@ -344,7 +349,7 @@ func (c *Client[C]) List(ctx context.Context) ([]string, error) {
 		list = c.listCluster
 	}
 	if err := list(ctx, now, seen); err != nil {
-		return nil, fmt.Errorf("%w: list sessions: %v", ErrStoreUnavailable, err)
+		return nil, c.readError("the listing of sessions", err)
 	}
 	ids := make([]string, 0, len(seen))
 	for id := range seen {
@@ -375,6 +380,15 @@ func (c *Client[C]) listIndex(ctx context.Context, now int64, seen map[string]st
 	}
 }
 
+// readError wraps a failed read: a *RedisError when retrying cannot help, else
+// ErrStoreUnavailable.
+func (c *Client[C]) readError(op string, err error) error {
+	if refused := c.permanent("store", op, err); refused != nil {
+		return refused
+	}
+	return fmt.Errorf("%w: %s: %v", ErrStoreUnavailable, op, err)
+}
+
 func (c *Client[C]) readContext(ctx context.Context) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(ctx, c.cfg.ReadTimeout)
 }
@@ -385,7 +399,11 @@ func (c *Client[C]) readContext(ctx context.Context) (context.Context, context.C
 // worker dead-lettered returns a *RefusedError (errors.Is(err, ErrRefused)) with the
 // reason and the dead letter's id. Without a deadline on ctx it waits at most WaitTimeout;
 // when the deadline passes first, the error wraps ctx's error and says how far the
-// session's fence got.
+// session's fence got, or wraps ErrStoreUnavailable when the store's reads kept failing.
+// Failed reads are retried until the deadline only when the next one may succeed
+// (classify.go): an error reply that would come again (CROSSSLOT from a cluster store
+// without Config.Cluster, NOAUTH, WRONGTYPE...) returns at once as a *RedisError
+// (errors.Is(err, ErrMisconfigured)) that says what to do.
 func (c *Client[C]) WaitDurable(ctx context.Context, h Handle) (Result, error) {
 	if h.TaskID == "" || h.SessionID == "" {
 		return Result{}, fmt.Errorf("%w: WaitDurable needs a handle from SaveAsync or DeleteAsync", ErrInvalidInput)
@@ -404,10 +422,19 @@ func (c *Client[C]) WaitDurable(ctx context.Context, h Handle) (Result, error) {
 		reply, err := c.readOutcome(ctx, keys)
 		if err == nil {
 			res, done, err := c.decide(h, reply)
-			if done || err != nil {
-				return res, err
+			if done {
+				return res, err // applied, superseded, or refused (a *RefusedError)
+			}
+			if err != nil {
+				return res, fmt.Errorf("%w: the outcome of %s %s for session %q: %v",
+					ErrCorrupt, h.Task, h.TaskID, h.SessionID, err)
 			}
 			fenceSeq, storeErr, succeeded = res.FenceSeq, nil, true
+		} else if refused := c.permanent("store", fmt.Sprintf("the wait for %s %s for session %q",
+			h.Task, h.TaskID, h.SessionID), err); refused != nil {
+			// An error reply that the next poll would get too (CROSSSLOT from a cluster
+			// store without Config.Cluster, NOAUTH, WRONGTYPE...): say so now.
+			return Result{}, refused
 		} else if ctx.Err() == nil || !succeeded {
 			// A failure before the deadline, or no read ever answering: the store is the
 			// problem (a read cut short by the deadline after good ones is not).
@@ -457,7 +484,8 @@ func (c *Client[C]) readOutcome(ctx context.Context, keys []string) (interface{}
 	return append(append(make([]interface{}, 0, 6), f...), r...), nil
 }
 
-// decide reads outcomeScript's reply: done is true once h's outcome is known.
+// decide reads outcomeScript's reply: done is true once h's outcome is known (err is then
+// nil or a *RefusedError); an err without done is a reply it cannot read.
 func (c *Client[C]) decide(h Handle, reply interface{}) (res Result, done bool, err error) {
 	items, err := replyList(reply, 6)
 	if err != nil {

@@ -2,9 +2,11 @@ package checkpointq
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"reflect"
 	"sort"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -234,5 +236,35 @@ func TestClusterListWalksEverySlotOneNodeRunPerCall(t *testing.T) {
 	}
 	if again, err := c.List(ctx); err != nil || !reflect.DeepEqual(again, want) {
 		t.Fatalf("List() with a stale slot map = %d ids, %v", len(again), err)
+	}
+}
+
+func TestClusterStoreWithoutConfigClusterFailsAtOnce(t *testing.T) {
+	// Given a cluster store read without Config.Cluster: through one node, as a plain
+	// client would, and through the routing adapter
+	d := clusterDeploymentFor(t)
+	ctx := background(t)
+	broker, node, routed := newRedigo(d.broker.Addr), newRedigo(d.cluster.Addrs()[0]), newRedigoCluster(d.cluster.Addrs())
+	t.Cleanup(func() { _ = broker.Close(); _ = node.Close(); _ = routed.Close() })
+	for name, store := range map[string]Redis{"one node": node, "routing adapter": routed} {
+		c := New[Checkpoint](Config{Broker: broker, Store: store})
+		id := sessionID(t, name)
+		h, err := c.SaveAsync(ctx, sampleCheckpoint(id, 1))
+		if err != nil {
+			t.Fatal(err)
+		}
+		// When it waits, with a deadline a minute away, and loads
+		_, waitErr := c.WaitDurable(ctx, h)
+		_, loadErr := c.Load(ctx, id)
+		// Then both fail with the cluster's error reply, saying to set Config.Cluster (not
+		// after the deadline: that would be ErrStoreUnavailable wrapping the deadline)
+		for call, err := range map[string]error{"WaitDurable": waitErr, "Load": loadErr} {
+			var refused *RedisError
+			if !errors.As(err, &refused) || refused.Server != "store" || !strings.Contains(err.Error(), "set Config.Cluster") ||
+				errors.Is(err, context.DeadlineExceeded) || errors.Is(err, ErrStoreUnavailable) {
+				t.Fatalf("%s through %s: err = %v, want a *RedisError saying to set Config.Cluster", call, name, err)
+			}
+			t.Logf("%s through %s: %v", call, name, err)
+		}
 	}
 }

@@ -11,14 +11,21 @@ var (
 	// ErrInvalidInput: the request was refused before publishing (bad session id, a
 	// checkpoint that does not marshal, a message over MaxMessageBytes). Never retried.
 	ErrInvalidInput = errors.New("checkpointq: invalid input")
-	// ErrBrokerUnavailable: the broker did not take the request within PublishTimeout.
+	// ErrBrokerUnavailable: the broker did not take the request within PublishTimeout
+	// (connection failures, timeouts and the error replies worth retrying, classify.go).
 	ErrBrokerUnavailable = errors.New("checkpointq: broker unavailable")
-	// ErrStoreUnavailable: the store Redis did not answer a read.
+	// ErrStoreUnavailable: the store Redis did not answer a read (Load, List), or not
+	// within WaitDurable's deadline (connection failures, timeouts, LOADING...).
 	ErrStoreUnavailable = errors.New("checkpointq: store unavailable")
 	// ErrCorrupt: a stored value is neither zstd JSON nor JSON of a checkpoint.
 	ErrCorrupt = errors.New("checkpointq: corrupt stored checkpoint")
 	// ErrRefused: the worker dead-lettered the request (see RefusedError for why).
 	ErrRefused = errors.New("checkpointq: request refused by the worker")
+	// ErrMisconfigured: the broker or the store answered with an error reply that retrying
+	// will not change (a *RedisError says which and what to do), so the call failed at once
+	// instead of retrying until its timeout. Almost always configuration: a cluster store
+	// without Config.Cluster, missing credentials, a prefix another application writes.
+	ErrMisconfigured = errors.New("checkpointq: redis refused the call")
 )
 
 // RefusedError is WaitDurable's answer for a request the worker dead-lettered: it never
@@ -38,3 +45,28 @@ func (e *RefusedError) Error() string {
 
 // Unwrap makes errors.Is(err, ErrRefused) true.
 func (e *RefusedError) Unwrap() error { return ErrRefused }
+
+// RedisError is an error reply from the broker or the store that the client does not
+// retry (the rules are in classify.go): Code is the reply's first word (CROSSSLOT,
+// NOAUTH, WRONGTYPE, ERR...), Hint says what to do, Err is the adapter's error as
+// returned (errors.As reaches the Redis client's own error type through it).
+// errors.Is(err, ErrMisconfigured) is true for every RedisError.
+type RedisError struct {
+	// Server is "broker" or "store".
+	Server string
+	// Op is what the call was for, e.g. `wait for save <id> for session "s"`.
+	Op   string
+	Code string
+	Hint string
+	Err  error
+}
+
+func (e *RedisError) Error() string {
+	return fmt.Sprintf("checkpointq: the %s refused %s: %v; %s", e.Server, e.Op, e.Err, e.Hint)
+}
+
+// Is makes errors.Is(err, ErrMisconfigured) true.
+func (e *RedisError) Is(target error) bool { return target == ErrMisconfigured }
+
+// Unwrap returns the adapter's error.
+func (e *RedisError) Unwrap() error { return e.Err }
