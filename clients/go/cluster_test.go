@@ -268,3 +268,66 @@ func TestClusterStoreWithoutConfigClusterFailsAtOnce(t *testing.T) {
 		}
 	}
 }
+
+func TestClusterAdapterFollowsASKWhileASlotMigrates(t *testing.T) {
+	// Given a slot half-way through a migration (its old node MIGRATING, the new one
+	// IMPORTING) and a session's fence already on the new node, in a prefix no worker serves
+	_, store := newClusterClient[Checkpoint](t, Config{})
+	d := clusterDeploymentFor(t)
+	ctx := background(t)
+	if err := store.loadSlots(ctx); err != nil {
+		t.Fatal(err)
+	}
+	k := keySpace{prefix: "goask", cluster: true}
+	id := sessionID(t, "s")
+	slot := keySlot(k.fence(id))
+	var from, to *redisServer
+	for _, n := range d.cluster.nodes {
+		if n.Addr == store.slots[slot] {
+			from = n
+		} else if to == nil {
+			to = n
+		}
+	}
+	nodeID := func(n *redisServer) string {
+		id, err := redis.String(n.Do("CLUSTER", "MYID"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return id
+	}
+	if _, err := to.Do("CLUSTER", "SETSLOT", slot, "IMPORTING", nodeID(from)); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = store.Do(context.Background(), "DEL", k.fence(id)) // on the new node, through ASK
+		for _, n := range []*redisServer{from, to} {
+			if _, err := n.Do("CLUSTER", "SETSLOT", slot, "STABLE"); err != nil {
+				t.Errorf("slot %d on %s: %v", slot, n.Addr, err)
+			}
+		}
+	})
+	if _, err := from.Do("CLUSTER", "SETSLOT", slot, "MIGRATING", nodeID(to)); err != nil {
+		t.Fatal(err)
+	}
+	h := Handle{TaskID: "ask-" + id, Task: TaskSave, SessionID: id, Seq: 42}
+	if _, err := store.Do(ctx, "HSET", k.fence(id), "seq", h.Seq, "req", h.TaskID, "deleted", 0); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := redis.Int(to.Do("CLUSTER", "COUNTKEYSINSLOT", slot)); err != nil || n != 1 {
+		t.Fatalf("keys of slot %d on the importing node: %d, %v; want the fence", slot, n, err)
+	}
+
+	// When a client waits for the request that fence names
+	c := New[Checkpoint](Config{Broker: store, Store: store, Prefix: "goask", Cluster: true})
+	res, err := c.WaitDurable(ctx, h)
+
+	// Then its fence read was answered by the new node (ASK, ASKING), and the slot map
+	// still names the old one, which serves the slot until the migration ends
+	if err != nil || res.Outcome != Applied || res.FenceSeq != h.Seq {
+		t.Fatalf("WaitDurable = %+v, %v; want applied at seq %d", res, err, h.Seq)
+	}
+	if store.slots[slot] != from.Addr {
+		t.Fatalf("slot %d mapped to %s after an ASK, want %s still", slot, store.slots[slot], from.Addr)
+	}
+}

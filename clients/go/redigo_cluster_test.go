@@ -12,7 +12,8 @@ import (
 
 // redigoCluster is a minimal cluster-routing adapter over redigo, for the tests: it reads
 // CLUSTER SLOTS once, sends each command to the node serving its first key's slot, and
-// follows MOVED (noting the slot's new node). A go-redis ClusterClient does all this, and
+// follows MOVED (noting the slot's new node) and ASK (ASKING, then the command, on the
+// node importing the slot; the map stays). A go-redis ClusterClient does all this, and
 // more (README.md).
 type redigoCluster struct {
 	seeds []string
@@ -71,7 +72,9 @@ func (c *redigoCluster) loadSlots(ctx context.Context) error {
 	return fmt.Errorf("no seed answered CLUSTER SLOTS: %w", last)
 }
 
-// route runs call on the node serving key's slot, following up to 5 MOVED redirections.
+// route runs call on the node serving key's slot, following up to 5 redirections: MOVED
+// (the slot has moved: note its node) and ASK (the slot is moving and the key is not on
+// its old node any more: this one call goes to the new node, after ASKING).
 func (c *redigoCluster) route(ctx context.Context, key string, call func(*redigoRedis) (interface{}, error)) (interface{}, error) {
 	c.mu.Lock()
 	loaded := c.slots != nil
@@ -85,28 +88,35 @@ func (c *redigoCluster) route(ctx context.Context, key string, call func(*redigo
 	c.mu.Lock()
 	addr := c.slots[slot]
 	c.mu.Unlock()
+	n := c.node(addr)
 	for redirects := 0; ; redirects++ {
-		reply, err := call(c.node(addr))
-		moved, isMoved := movedTo(err)
-		if !isMoved || redirects == 5 {
+		reply, err := call(n)
+		kind, target := redirection(err)
+		if kind == "" || redirects == 5 {
 			return reply, err
 		}
+		n = c.node(target)
+		if kind == "ASK" {
+			n = n.asker()
+			continue
+		}
 		c.mu.Lock()
-		c.slots[slot], addr = moved, moved
+		c.slots[slot] = target
 		c.mu.Unlock()
 	}
 }
 
-// movedTo reads a "MOVED <slot> <host:port>" error.
-func movedTo(err error) (string, bool) {
-	if err == nil || !strings.HasPrefix(err.Error(), "MOVED ") {
-		return "", false
+// redirection reads a "MOVED <slot> <host:port>" or "ASK <slot> <host:port>" error: its
+// kind ("" for any other error) and target.
+func redirection(err error) (kind, target string) {
+	if err == nil {
+		return "", ""
 	}
 	fields := strings.Fields(err.Error())
-	if len(fields) != 3 {
-		return "", false
+	if len(fields) != 3 || (fields[0] != "MOVED" && fields[0] != "ASK") {
+		return "", ""
 	}
-	return fields[2], true
+	return fields[0], fields[2]
 }
 
 func (c *redigoCluster) LPush(ctx context.Context, key string, value []byte) error {

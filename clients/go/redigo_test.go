@@ -14,7 +14,13 @@ import (
 // use (README.md has the go-redis/v9 one). Every command is bounded by ctx's deadline.
 type redigoRedis struct {
 	pool *redis.Pool
+	// asking: send ASKING before each command, on the same connection (a cluster node
+	// importing a slot serves its keys only then; see redigoCluster.route).
+	asking bool
 }
+
+// asker is r sending ASKING before each command.
+func (r *redigoRedis) asker() *redigoRedis { return &redigoRedis{pool: r.pool, asking: true} }
 
 func newRedigo(addr string) *redigoRedis {
 	return &redigoRedis{pool: &redis.Pool{
@@ -39,6 +45,12 @@ func (r *redigoRedis) do(ctx context.Context, cmd string, args ...interface{}) (
 	if deadline, ok := ctx.Deadline(); ok {
 		if timeout = time.Until(deadline); timeout <= 0 {
 			return nil, context.DeadlineExceeded
+		}
+	}
+	if r.asking {
+		// Pipelined: Do flushes it with cmd and returns cmd's reply (or ASKING's error).
+		if err := conn.Send("ASKING"); err != nil {
+			return nil, err
 		}
 	}
 	return redis.DoWithTimeout(conn, timeout, cmd, args...)
