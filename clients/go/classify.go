@@ -81,8 +81,8 @@ func (c *Client[C]) hint(server, code, reply string) string {
 		return "a call named keys of several slots: a bug in the client's cluster layout, please report it"
 	case code == "NOAUTH", code == "WRONGPASS", code == "NOPERM",
 		code == "ERR" && (strings.Contains(lower, "password") || strings.Contains(lower, "auth")):
-		return "give the " + server + " adapter's client the credentials (user, password) of the " + server +
-			" URL, with the permissions the workers' user has"
+		return "the " + server + " adapter's credentials (user, password) do not match the " + server +
+			"'s: use those of the " + server + " URL the workers have, whose user may run what they run"
 	case code == "WRONGTYPE":
 		return "a key the client uses holds another type: another application writes under Config.Prefix " +
 			"or Config.Queue; give checkpointq a prefix and queue of its own"
@@ -94,4 +94,13 @@ func (c *Client[C]) hint(server, code, reply string) string {
 	default:
 		return "the " + server + " will answer the same until its cause is fixed"
 	}
+}
+
+// redirectHint is what to add to ErrStoreUnavailable when err is a MOVED or ASK that a
+// cluster client retried: an adapter that keeps passing them on does not follow them.
+func redirectHint(err error) string {
+	if code, _ := replyCode(err); code == "MOVED" || code == "ASK" {
+		return "; the Store adapter must route each command by its first key and follow MOVED and ASK"
+	}
+	return ""
 }

@@ -134,6 +134,20 @@ func TestWaitDurableRetriesATransientErrorUntilItsDeadline(t *testing.T) {
 	}
 }
 
+func TestARedirectionClusterClientKeepsGettingSaysTheAdapterMustFollowIt(t *testing.T) {
+	store := &failingRedis{err: replyError("MOVED 3999 127.0.0.1:7001")}
+	c := New[Checkpoint](Config{Broker: store, Cluster: true})
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	_, waitErr := c.WaitDurable(ctx, Handle{TaskID: "t", Task: TaskSave, SessionID: "s", Seq: 1})
+	_, loadErr := c.Load(context.Background(), "s")
+	for call, err := range map[string]error{"WaitDurable": waitErr, "Load": loadErr} {
+		if !errors.Is(err, ErrStoreUnavailable) || !strings.Contains(err.Error(), "follow MOVED and ASK") {
+			t.Fatalf("%s: err = %v, want ErrStoreUnavailable saying the adapter must follow MOVED", call, err)
+		}
+	}
+}
+
 func TestPublishReportsAnErrorReplyAtOnce(t *testing.T) {
 	broker := &failingRedis{err: replyError("WRONGTYPE Operation against a key holding the wrong kind of value")}
 	c := New[Checkpoint](Config{Broker: broker, PublishTimeout: time.Hour})
@@ -161,5 +175,40 @@ func TestReadsTellAnErrorReplyFromAnUnavailableStore(t *testing.T) {
 	store.err = errors.New("dial tcp 127.0.0.1:1: connect: connection refused")
 	if _, err := c.Load(ctx, "s"); !errors.Is(err, ErrStoreUnavailable) {
 		t.Fatalf("Load: err = %v, want ErrStoreUnavailable", err)
+	}
+}
+
+// replyingRedis answers every Eval with reply, counting the calls.
+type replyingRedis struct {
+	failingRedis
+	reply interface{}
+}
+
+func (r *replyingRedis) Eval(context.Context, string, []string, ...interface{}) (interface{}, error) {
+	r.calls.Add(1)
+	return r.reply, nil
+}
+
+func TestWaitDurableEndsAtTheFirstReadThatSettlesIt(t *testing.T) {
+	h := Handle{TaskID: "t", Task: TaskSave, SessionID: "s", Seq: 1}
+	for _, tc := range []struct {
+		name  string
+		reply []interface{} // outcomeScript's: seq, deleted, req, kind, reason, entry
+		want  error
+	}{
+		{"a refusal record", []interface{}{nil, nil, nil, "invalid_input", "seq ahead", "1-0"}, ErrRefused},
+		{"a fence it cannot read", []interface{}{"not a number", nil, nil, nil, nil, nil}, ErrCorrupt},
+	} {
+		// Given a store whose first answer settles the wait, and a deadline far away
+		store := &replyingRedis{reply: tc.reply}
+		c := New[Checkpoint](Config{Broker: store})
+		ctx, cancel := context.WithTimeout(context.Background(), time.Hour)
+		// When it waits
+		_, err := c.WaitDurable(ctx, h)
+		cancel()
+		// Then that answer is the result
+		if !errors.Is(err, tc.want) || store.calls.Load() != 1 {
+			t.Fatalf("%s: err = %v after %d reads, want %v after 1", tc.name, err, store.calls.Load(), tc.want)
+		}
 	}
 }

@@ -386,7 +386,7 @@ func (c *Client[C]) readError(op string, err error) error {
 	if refused := c.permanent("store", op, err); refused != nil {
 		return refused
 	}
-	return fmt.Errorf("%w: %s: %v", ErrStoreUnavailable, op, err)
+	return fmt.Errorf("%w: %s: %v%s", ErrStoreUnavailable, op, err, redirectHint(err))
 }
 
 func (c *Client[C]) readContext(ctx context.Context) (context.Context, context.CancelFunc) {
@@ -442,8 +442,8 @@ func (c *Client[C]) WaitDurable(ctx context.Context, h Handle) (Result, error) {
 		}
 		if ctx.Err() != nil {
 			if storeErr != nil {
-				return Result{}, fmt.Errorf("%w: waiting for %s %s for session %q: %v (%v)",
-					ErrStoreUnavailable, h.Task, h.TaskID, h.SessionID, storeErr, ctx.Err())
+				return Result{}, fmt.Errorf("%w: waiting for %s %s for session %q: %v (%v)%s",
+					ErrStoreUnavailable, h.Task, h.TaskID, h.SessionID, storeErr, ctx.Err(), redirectHint(storeErr))
 			}
 			return Result{}, fmt.Errorf("checkpointq: %s %s for session %q (seq %d) not durable yet, fence at seq %d: %w",
 				h.Task, h.TaskID, h.SessionID, h.Seq, fenceSeq, ctx.Err())
