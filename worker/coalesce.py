@@ -208,11 +208,13 @@ class Coalescer:
         """Acknowledge the applied requests' messages in one round trip.
 
         kombu's Redis QoS acknowledges a message with a ZREM and an HDEL of its delivery tag
-        in a pipeline of its own: one round trip per message, as much as the group's whole
-        store write. Here every tag of the group goes in one pipeline, then each message is
-        marked acknowledged as ``Message.ack`` would. Other transports (no such QoS) ack
-        each message as usual. If the broker cannot be reached, the messages are forgotten
-        locally, their ``unacked`` entries stay and the visibility timeout redelivers them:
+        (``QoS._remove_from_indices``) in a pipeline of its own: one round trip per message,
+        as much as the group's whole store write. Here one ZREM and one HDEL take every tag of
+        the group (with two commands per message, the acks were ~10% of the main process's
+        busy samples), then each message is marked acknowledged as ``Message.ack`` would.
+        Other transports (no such QoS) ack each message as usual. If the broker cannot be
+        reached, the messages are forgotten locally, their ``unacked`` entries stay and the
+        visibility timeout redelivers them:
         replaying an applied save or delete is harmless.
         """
         if not applied:
@@ -228,9 +230,8 @@ class Coalescer:
         tags = [p.message.delivery_tag for p in applied]
         try:
             with qos.pipe_or_acquire() as pipe:
-                for tag in tags:
-                    remove(tag, pipe)
-                pipe.execute()
+                # What ``remove`` does for one tag (the pinned-kombu test covers it), at once.
+                pipe.zrem(qos.unacked_index_key, *tags).hdel(qos.unacked_key, *tags).execute()
         except (*self.consumer.connection_errors, *self.consumer.channel_errors) as exc:
             logger.error("could not acknowledge %d applied requests: %s", len(tags), exc)
             for tag in tags:

@@ -41,8 +41,9 @@ REFRESH = "checkpoint.refresh"
 KOMBU_BRPOP_READ_SHA256 = "c42518699709f2df90f55a048fe6346612ae5527e5c4a6819f2c0920dc62088f"
 #: sha256 of the other kombu 5.7.0 sources the reserve path mirrors: the virtual channel's
 #: ``basic_consume`` (its delivery callback, worker/transport.py), the Redis ``QoS.append``
-#: (what worker/lua/reserve.lua records) and ``Channel._brpop_start`` (the order of the
-#: queues it reads, worker/reserve.py).
+#: (what worker/lua/reserve.lua records), ``Channel._brpop_start`` (the order of the
+#: queues it reads, worker/reserve.py) and the Redis ``QoS._remove_from_indices`` (the acks
+#: of a coalesced group, worker/coalesce.py).
 KOMBU_MIRRORED_SHA256 = {
     "virtual.Channel.basic_consume": (
         "0fec962694938b61b8a6b82bfff9c3c8baeef2f2877d64adf30a8c6fdbfca2e6"
@@ -50,6 +51,9 @@ KOMBU_MIRRORED_SHA256 = {
     "redis.QoS.append": "35c655f6ecc62fe6e9902f7498dde9b47ff27187973d7568e02529c400027416",
     "redis.Channel._brpop_start": (
         "06723d707ddf224025af70ff511e07a27e1e8a37ec509e7dfa11ee408a79ccec"
+    ),
+    "redis.QoS._remove_from_indices": (
+        "980a109d54ad91365bc402650c1497bfee2ae0cd48935741ac530d88a1414b3e"
     ),
 }
 EXPIRE = "checkpoint.expire_stale"
@@ -343,6 +347,7 @@ def test_reserve_path_still_mirrors_the_pinned_kombu() -> None:
         "virtual.Channel.basic_consume": transport._KOMBU_VIRTUAL_BASIC_CONSUME,
         "redis.QoS.append": kombu_redis.QoS.append,
         "redis.Channel._brpop_start": transport._KOMBU_BRPOP_START,
+        "redis.QoS._remove_from_indices": kombu_redis.QoS._remove_from_indices,
     }
     digests = {
         name: hashlib.sha256(inspect.getsource(function).encode()).hexdigest()
