@@ -16,12 +16,12 @@ from checkpointq.store.errors import CheckpointError
 from checkpointq.store.redis import RedisStore
 from checkpointq.store.urls import kombu_url, redact_url
 from checkpointq.tasks import checkpoints, runtime
-from checkpointq.tasks.brokers import transport_options
+from checkpointq.tasks.brokers import BrokerKind, broker_kind, transport_options
 from checkpointq.tasks.dead_letters import DeadLetters
 from checkpointq.tasks.policy import RetryPolicy
 from checkpointq.tasks.producer.client import PUBLISH_RETRY_POLICY
 from checkpointq.tasks.runtime import Runtime
-from checkpointq.worker import backpressure, beat, coalesce, logs
+from checkpointq.worker import backpressure, beat, coalesce, logs, reserve
 from checkpointq.worker import signals as _signals  # noqa: F401  # importing it connects the hooks
 from checkpointq.worker.ops import health, metrics
 from checkpointq.worker.settings import Settings
@@ -77,7 +77,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             visibility_timeout=settings.visibility_timeout,
             sentinel_master=settings.sentinel_master,
             sentinel_password=settings.sentinel_password,
-        ),
+        )
+        | _reserve_options(settings.broker_url, settings.prefetch_max_bytes),
         # Producer side: retry a publish while the broker is briefly unreachable.
         "task_publish_retry": True,
         "task_publish_retry_policy": PUBLISH_RETRY_POLICY,
@@ -114,6 +115,14 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "enable_utc": True,
         "timezone": "UTC",
     }
+
+
+def _reserve_options(broker_url: str, max_held_bytes: int) -> dict[str, Any]:
+    """The worker's own transport option for a Redis broker: the bytes its main process
+    holds reserved at most (``worker/reserve.py``). RabbitMQ's client takes no such option."""
+    if broker_kind(broker_url) is BrokerKind.AMQP:
+        return {}
+    return {reserve.MAX_HELD_BYTES_OPTION: max_held_bytes}
 
 
 def build_runtime(settings: Settings) -> Runtime:

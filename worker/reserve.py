@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 #: the script's time on the broker when messages are large (a 50-save ``apply_batch`` is
 #: ~1.3 MB), whatever the prefetch window allows.
 BYTE_BUDGET = 4 * 1024 * 1024
+#: The broker transport option holding ``Settings.prefetch_max_bytes``: the bytes of message
+#: bodies a channel holds reserved (delivered, not yet acknowledged) at most, 0 for none.
+MAX_HELD_BYTES_OPTION = "checkpointq_prefetch_max_bytes"
 #: Messages one reserve takes at most when the prefetch window is unlimited (prefetch 0).
 BATCH_LIMIT = 100
 #: The least room in the prefetch window worth a script call: one costs the broker a fixed
@@ -115,9 +118,31 @@ def usable(channel: Any) -> bool:
     )
 
 
-def request(channel: Any, queues: list[str], limit: int) -> tuple[Request, list[Any]]:
+def byte_room(channel: Any) -> int | None:
+    """Bytes of message bodies ``channel`` may still reserve, or None: no byte budget.
+
+    The prefetch window counts messages, so with large ones it held tens of MB in the main
+    process (and a group's worth in each pool process). This is the rest of the budget
+    after what the channel's QoS holds: delivered and not yet acknowledged, whether waiting
+    in a group, in the pool, or for an ETA. At 0 or below the reader reads nothing until an
+    acknowledgement frees some; what is held is always on its way to one, so reading
+    resumes. Summing at most the prefetch window's bodies costs a few us per read.
+    """
+    budget = channel.connection.client.transport_options.get(MAX_HELD_BYTES_OPTION)
+    if not budget:
+        return None
+    qos = channel.qos
+    dirty = qos._dirty
+    held = sum(len(m.body or b"") for tag, m in qos._delivered.items() if tag not in dirty)
+    return int(budget) - held
+
+
+def request(
+    channel: Any, queues: list[str], limit: int, budget: int = BYTE_BUDGET
+) -> tuple[Request, list[Any]]:
     """The call reading ``queues`` in BRPOP's order (each priority, then each queue), and
-    the EVALSHA command that makes it."""
+    the EVALSHA command that makes it (at most ``limit`` messages, ``budget`` bytes past
+    the first)."""
     names = [queue for _ in channel.priority_steps for queue in queues]
     keys = [channel._q_for_pri(queue, pri) for pri in channel.priority_steps for queue in queues]
     encoded = [key.encode() if isinstance(key, str) else key for key in keys]
@@ -129,7 +154,7 @@ def request(channel: Any, queues: list[str], limit: int) -> tuple[Request, list[
         channel.unacked_index_key,
         *keys,
         limit,
-        BYTE_BUDGET,
+        budget,
         time(),
     ]
     return Request(encoded, names, limit), command

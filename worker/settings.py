@@ -113,6 +113,12 @@ class Settings(BaseSettings):
     #: process is idle (more, smaller groups under load). A message waits in the main
     #: process at most this long, or until a pool process is free or its group is full.
     coalesce_window_ms: float = Field(default=2.0, ge=0, le=1000)
+    #: Bytes of message bodies a worker's main process holds reserved at most (default 4 MiB;
+    #: 0: bounded by the message count alone). The prefetch window counts messages: with
+    #: 200 KB checkpoints its 64 messages held ~50 MB in the main process and a group's worth
+    #: in each pool process. Past this budget the worker reads no more until some is
+    #: acknowledged; one message is read whatever its size. Redis brokers only.
+    prefetch_max_bytes: int = Field(default=4 * 1024 * 1024, ge=0)
 
     @property
     def coalescing(self) -> bool:

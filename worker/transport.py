@@ -239,6 +239,9 @@ def _brpop_start(self: Any, timeout: Any = None) -> None:
     takes the room left in the prefetch window instead of BRPOP taking one message."""
     reading = _reading(self)
     reading.pending = None
+    byte_room = reserve.byte_room(self)
+    if byte_room is not None and byte_room <= 0:
+        return  # the main process holds its byte budget: next turn, after an ack frees some
     room = self.qos.can_consume_max_estimate()
     if not reading.busy or (room is not None and room < reserve.MIN_ROOM) or not _reserving(self):
         _KOMBU_BRPOP_START(self, timeout)
@@ -246,8 +249,9 @@ def _brpop_start(self: Any, timeout: Any = None) -> None:
     queues = self._queue_cycle.consume(len(self.active_queues))
     if not queues:
         return
+    budget = reserve.BYTE_BUDGET if byte_room is None else min(reserve.BYTE_BUDGET, byte_room)
     reading.pending, command = reserve.request(
-        self, queues, reserve.BATCH_LIMIT if room is None else room
+        self, queues, reserve.BATCH_LIMIT if room is None else room, budget
     )
     # As kombu's BRPOP: sent on the polled connection, read by _guarded_brpop_read.
     self._in_poll = self.client.connection

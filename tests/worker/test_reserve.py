@@ -59,10 +59,14 @@ def _publish(url: str, count: int) -> list[dict[str, Any]]:
     return bodies
 
 
-def _consume(url: str, prefetch: int, on_message: Any = None) -> tuple[Any, Any, list[Any]]:
-    """A consuming connection with ``prefetch``; returns it, its channel and the messages
-    delivered so far (the caller closes the connection)."""
-    conn = Connection(url, transport_options={"visibility_timeout": 3600})
+def _consume(
+    url: str, prefetch: int, on_message: Any = None, max_held_bytes: int = 0
+) -> tuple[Any, Any, list[Any]]:
+    """A consuming connection with ``prefetch`` (and a byte budget, as a worker's settings
+    give it); returns it, its channel and the messages delivered so far (the caller closes
+    the connection)."""
+    options = {"visibility_timeout": 3600, reserve.MAX_HELD_BYTES_OPTION: max_held_bytes}
+    conn = Connection(url, transport_options=options)
     channel = conn.channel()
     channel.basic_qos(0, prefetch, False)
     received: list[Any] = []
@@ -88,9 +92,9 @@ def script_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     real = reserve.request
 
-    def counted(channel: Any, queues: list[str], limit: int) -> Any:
+    def counted(channel: Any, queues: list[str], limit: int, *budget: int) -> Any:
         calls.append(limit)
-        return real(channel, queues, limit)
+        return real(channel, queues, limit, *budget)
 
     monkeypatch.setattr(reserve, "request", counted)
     return calls
@@ -149,6 +153,46 @@ def test_a_small_prefetch_window_reads_as_kombu_does(
         assert len(received) == reserve.MIN_ROOM == broker.hlen(channel.unacked_key)
     finally:
         conn.close()
+
+
+def test_a_consumer_holding_its_byte_budget_reads_no_more_until_an_ack(
+    guarded: None, broker: redis.Redis, redis_server: RedisServer, script_calls: list[int]
+) -> None:
+    # Given 20 queued messages of ~2 KB and a consumer with room for 16 of them by count,
+    # but a byte budget of about 5
+    _publish(redis_server.url, 20)
+    size = len(json.dumps({"n": 10, "pad": "x" * 2_000}))
+    budget = 5 * size + 100
+    conn, channel, received = _consume(redis_server.url, prefetch=16, max_held_bytes=budget)
+    try:
+        # When it reads until a read finds nothing more to take
+        _read_until_quiet(conn)
+        # Then it holds its budget, passed by at most one message, though its prefetch
+        # window has room, and the rest stays queued: the reserve script was sent (its
+        # window has room for more than a BRPOP's worth) and took less than its window
+        held = sum(len(m.body) for m in received)
+        assert budget <= held <= budget + size
+        assert channel.qos.can_consume() and broker.llen(QUEUE) == 20 - len(received)
+        assert script_calls and all(limit > 1 for limit in script_calls)
+        assert broker.hlen(channel.unacked_key) == len(received)
+        # When it acknowledges what it holds
+        for message in list(received):
+            message.ack()
+        # Then it reads again
+        before = len(received)
+        conn.drain_events(timeout=5)
+        assert len(received) > before
+    finally:
+        conn.close()
+
+
+def _read_until_quiet(conn: Any) -> None:
+    """Read until half a second passes with nothing delivered."""
+    while True:
+        try:
+            conn.drain_events(timeout=0.5)
+        except TimeoutError:
+            return
 
 
 def test_an_idle_consumer_still_wakes_on_the_first_message(
