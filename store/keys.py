@@ -12,6 +12,7 @@ Single Redis (``KeySpace``; prefix ``agentorca-session``, the Go default)::
     agentorca-session.cq:reconcile      hash: where the reconciliation pass stands
     agentorca-session.cq:sweep-hint     sorted set, cluster only: slot -> earliest deadline
     agentorca-session.cq:write-probe    written by workers and health checks: "can we write?"
+    agentorca-session.cq:staging:<rnd>  a large value on its way into save.lua (seconds at most)
 
 Deployments may share one Redis under different prefixes: a prefix holds no ``:`` and does
 not end in ``.cq`` (``check_prefix``), which keeps every pair of deployments' keys apart
@@ -32,6 +33,7 @@ index carry the tag of the data key's slot::
     agentorca-session:<id>                            the checkpoint, as on a single Redis
     agentorca-session.cq:{<tag>}:fence:<id>           its fence hash
     agentorca-session.cq:{<tag>}:slot-deadlines       deadline index of the slot's sessions
+    agentorca-session.cq:{<tag>}:staging:<rnd>        a staged value (see ``staging``)
 
 ``<tag>`` is the tag of ``CLUSTER KEYSLOT agentorca-session:<id>`` (a session id holding a
 ``{...}`` hash tag of its own moves its data key, and with it the rest, to that tag's slot).
@@ -195,6 +197,18 @@ class KeySpace:
         """A short-lived key written only to learn whether the store accepts writes."""
         return f"{self._internal}:write-probe"
 
+    def staging(self, session_id: str, token: str) -> str:
+        """Where one save of ``session_id`` puts its value just before ``save.lua`` renames it
+        onto the data key (``checkpointq.store.redis``, staged saves).
+
+        ``token`` is random and new for every call, so concurrent savers never share a staging
+        key, and the key names no session id: no id, however chosen, reaches it. It lives
+        under ``<prefix>.cq:``, so neither Go's ``SCAN <prefix>:*`` nor reconciliation sees it,
+        and no index holds it: nothing lists, counts or sweeps it. On a cluster it carries the
+        tag of the session's slot (``ClusterKeySpace.staging``), as the script's keys must.
+        """
+        return f"{self._internal}:staging:{token}"
+
 
 @dataclass(frozen=True, slots=True)
 class ClusterKeySpace(KeySpace):
@@ -220,6 +234,9 @@ class ClusterKeySpace(KeySpace):
             "a cluster layout has one deadline index per slot: use index_keys() or "
             "session(id).index"
         )
+
+    def staging(self, session_id: str, token: str) -> str:
+        return f"{self._internal}:{self.tag(self.shard(session_id))}:staging:{token}"
 
     def slot_index(self, slot: int) -> str:
         """The deadline index of the sessions whose data keys hash to ``slot``."""

@@ -4,8 +4,11 @@
 -- KEYS[2]  fence hash: seq (last applied), deleted ("1" for a tombstone), deadline (ms),
 --          req (the id of the request that set it; "" when its producer sent none)
 -- KEYS[3]  deadline index: sorted set of session id -> deadline (ms since epoch)
+-- KEYS[4]  staged saves only: a staging key holding the value, written by the caller just
+--          before this call (KeySpace.staging). It is renamed onto KEYS[1] when the save
+--          applies and deleted when it is stale, so it never outlives the call.
 -- ARGV[1]  seq of this request (integer below 2^53, so exact as a Lua number)
--- ARGV[2]  value to store
+-- ARGV[2]  value to store ("" and unused when KEYS[4] holds it)
 -- ARGV[3]  session TTL in ms
 -- ARGV[4]  deadline in ms since epoch (now + TTL, computed by the caller)
 -- ARGV[5]  fence TTL in ms (session TTL + tombstone TTL: fencing outlives the data)
@@ -15,15 +18,31 @@
 -- Returns 1 when applied; 0 when stale: a newer request won, or one with the same seq did
 -- (a delete, or another request: at equal seq only a duplicate of the winner re-applies,
 -- so a request that lost can never apply later and its producer can be told so).
+-- A staged save whose staging key is gone (its SET was refused, or it expired before the
+-- call ran) changes nothing and fails with an error, so that the caller retries it.
 local req = ARGV[7] or ''
+local staged = KEYS[4]
 local last = redis.call('HMGET', KEYS[2], 'seq', 'deleted', 'req')
 if last[1] then
   local seq, last_seq = tonumber(ARGV[1]), tonumber(last[1])
   if seq < last_seq or (seq == last_seq and (last[2] == '1' or (last[3] or '') ~= req)) then
+    if staged then
+      redis.call('DEL', staged)
+    end
     return 0
   end
 end
-redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+if staged then
+  if redis.call('EXISTS', staged) == 0 then
+    return redis.error_reply('ERR checkpointq: staged value missing, save not applied')
+  end
+  -- RENAME moves the value without copying it (passing it as ARGV costs Redis a copy into
+  -- Lua and another out of it); the staging key's own short TTL is replaced below.
+  redis.call('RENAME', staged, KEYS[1])
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+else
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+end
 redis.call('HSET', KEYS[2], 'seq', ARGV[1], 'deleted', '0', 'deadline', ARGV[4], 'req', req)
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
 redis.call('ZADD', KEYS[3], ARGV[4], ARGV[6])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import redis
 import zstandard
 
@@ -78,14 +79,18 @@ def test_times_before_year_1000_are_written_as_go_writes_them(
     assert ours == go_json
 
 
-def test_go_reads_what_we_wrote(go_store: GoStore, real_redis: redis.Redis) -> None:
+@pytest.mark.parametrize("staged", [False, True], ids=["as-argument", "staged"])
+def test_go_reads_what_we_wrote(go_store: GoStore, real_redis: redis.Redis, staged: bool) -> None:
     store = RedisStore(real_redis)
+    if staged:  # the path of large values: through a staging key renamed onto Go's key
+        store.stage_from_bytes = 0
     cp = store.save(make_checkpoint("ours", version=3), seq=1)
     assert cp.applied
     mine = store.load("ours")
     assert mine is not None
     assert go_store.load("ours") == checkpoint_to_wire(mine)
     assert go_store.list() == ["ours"]
+    assert real_redis.keys("*staging*") == []
 
 
 def test_any_cost_string_passes_both_ways(go_store: GoStore, real_redis: redis.Redis) -> None:

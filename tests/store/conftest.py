@@ -1,8 +1,9 @@
 """Fixtures for the store contract suite: one test body, every backend.
 
 ``store_env`` is parametrized over the in-memory store, the Redis store on fakeredis, the
-Redis store on a real ``redis-server`` and on a local 3-master Redis Cluster (started only
-when a test of that backend runs). Tests say "let this much time pass" through
+Redis store on a real ``redis-server`` (twice: as configured, and staging every value, the
+path large values take: ``RedisStore.stage_from_bytes``) and on a local 3-master Redis
+Cluster (started only when a test of that backend runs). Tests say "let this much time pass" through
 ``StoreEnv.pass_time``: the in-memory store's clock is advanced at once; Redis stores keep
 real time (Redis expires keys by its own clock), so the call polls until the time has passed.
 """
@@ -24,7 +25,7 @@ from tests.support.clocks import FakeClock
 from tests.support.cluster import LocalCluster
 from tests.support.servers import RedisServer
 
-BACKENDS = ["memory", "fakeredis", "redis", "cluster"]
+BACKENDS = ["memory", "fakeredis", "redis", "redis-staged", "cluster"]
 _prefixes = itertools.count()
 
 
@@ -83,7 +84,10 @@ def store_env(request: pytest.FixtureRequest) -> Iterator[StoreEnv]:
     prefix = f"t{next(_prefixes)}"
 
     def make_redis(options: StoreOptions | None) -> CheckpointStore:
-        return RedisStore(client, prefix=prefix, options=options)
+        store = RedisStore(client, prefix=prefix, options=options)
+        if backend == "redis-staged":
+            store.stage_from_bytes = 0
+        return store
 
     yield StoreEnv(backend, make_redis, None, client)
     client.close()
