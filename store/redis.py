@@ -306,6 +306,8 @@ class RedisStore(CheckpointStore):
     #   WRONGTYPE): the staging key expires on its own.
     # A save whose reply was lost may be retried; the fence makes the retry a duplicate of
     # the winner (applied again, same value) or stale, exactly as for an unstaged save.
+    # Readers see the same key, bytes and TTL either way; only keyspace notifications
+    # differ (``rename_to`` on the data key instead of ``set``).
 
     def _save_staged(self, session_id: str, value: bytes, seq: int, request_id: str) -> int:
         """One staged save on a single Redis, in one round trip; save.lua's reply (1 or 0).
