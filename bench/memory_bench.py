@@ -3,13 +3,18 @@
 One prefork worker (concurrency 2), as deployed by default. The main process's idle RSS is
 read for the worker started as deployed (``checkpointq worker``) and through Celery's CLI,
 side by side. Then, for the deployed worker, RSS of the main process and of each child is
-read from ``/proc/<pid>/status`` at idle and after each round of staged 200 KB saves;
-"flat" compares the last round with the first. The issue asks for a
-10-minute run: the suite's run is shortened (rounds below), which the report says.
+read from ``/proc/<pid>/status`` at idle and after each round of staged 200 KB saves, and
+sampled every 20 ms during the rounds for the peak (the readings between rounds missed the
+peaks: 100 MB read there, 110-121 MB sampled); "flat" compares the last round with the
+first. The issue asks for a 10-minute run: the suite's run is shortened (rounds below),
+which the report says.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from bench import worker_drain
@@ -39,6 +44,35 @@ def _snapshot(pid: int) -> dict[str, float]:
     for n, child in enumerate(sorted(_children(pid))):
         out[f"child {n + 1}"] = _rss_mb(child)
     return out
+
+
+#: Seconds between two RSS readings of the worker's processes while it drains.
+SAMPLE_SECONDS = 0.02
+
+
+@contextmanager
+def sampled_peak(pid: int) -> Iterator[dict[str, float]]:
+    """The highest RSS of each of ``pid``'s processes, read every ``SAMPLE_SECONDS`` until
+    the block ends (a process gone between two reads is skipped)."""
+    peak: dict[str, float] = {}
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            try:
+                for name, mb in _snapshot(pid).items():
+                    peak[name] = max(peak.get(name, 0.0), mb)
+            except (OSError, RuntimeError):
+                pass  # a child replaced between listing and reading: the next read has it
+            stop.wait(SAMPLE_SECONDS)
+
+    thread = threading.Thread(target=sample, name="rss-sampler", daemon=True)
+    thread.start()
+    try:
+        yield peak
+    finally:
+        stop.set()
+        thread.join()
 
 
 #: How the worker is started, side by side at idle: as deployed (the image, ``checkpointq
@@ -75,10 +109,11 @@ def run(config: RunConfig) -> SectionReport:
                 raise RuntimeError("the worker did not start")
             pid = worker.process.pid
             snapshots.append(("idle", _snapshot(pid)))
-            for n in range(rounds):
-                rate = worker_drain.drain(broker, "checkpoint.save", per_round, SIZE, f"m{n}")
-                elapsed += per_round / rate
-                snapshots.append((f"after {per_round * (n + 1):,} saves", _snapshot(pid)))
+            with sampled_peak(pid) as sampled:
+                for n in range(rounds):
+                    rate = worker_drain.drain(broker, "checkpoint.save", per_round, SIZE, f"m{n}")
+                    elapsed += per_round / rate
+                    snapshots.append((f"after {per_round * (n + 1):,} saves", _snapshot(pid)))
     finally:
         broker.cleanup()
         store.cleanup()
@@ -94,19 +129,20 @@ def run(config: RunConfig) -> SectionReport:
         "",
         f"Then the deployed worker under load: {rounds} rounds of {per_round:,} saves of a "
         f"{SIZE // 1000} KB checkpoint ({rounds * per_round:,} saves, about {elapsed:.0f} s "
-        "of work). **Shortened**: the issue's target is flat over 10 minutes; this run is "
-        "shorter. RSS in MB (VmRSS).",
+        "of work), with the default `CHECKPOINTQ_PREFETCH_MAX_BYTES`. **Shortened**: the "
+        "issue's target is flat over 10 minutes; this run is shorter. RSS in MB (VmRSS) after "
+        "each round, and the peak sampled every 20 ms during the rounds.",
         "",
         "| moment | " + " | ".join(names) + " |",
         "|---|" + "---:|" * len(names),
     ]
-    for moment, rss in snapshots:
+    for moment, rss in [*snapshots, ("**peak, sampled during the rounds**", sampled)]:
         report.lines.append(
             f"| {moment} | " + " | ".join(f"{rss.get(n, 0):.1f}" for n in names) + " |"
         )
     last = snapshots[-1][1]
     first_loaded = snapshots[1][1]
-    peak = max(max(s.values()) for _, s in snapshots)
+    peak = max(max(s.values()) for _, s in [*snapshots, ("sampled", sampled)])
     growth = max((last[n] - first_loaded[n]) / first_loaded[n] for n in names)
     quick = config.quick
     main_idle = idle[next(iter(LAUNCHERS))]
@@ -118,7 +154,7 @@ def run(config: RunConfig) -> SectionReport:
             None if quick else main_idle.median <= RSS_TARGET_MB,
         ),
         Target(
-            "worker RSS per process (peak, any process)",
+            "worker RSS per process (peak sampled under 200 KB saves, any process)",
             f"<= {RSS_TARGET_MB:.0f} MB",
             f"{peak:.1f} MB",
             None if quick else peak <= RSS_TARGET_MB,
