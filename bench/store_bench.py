@@ -118,17 +118,11 @@ def _cpu_split(
     json_bytes = serialize_checkpoint(checkpoint)
     value = store.codec.encode(json_bytes)
     keys = store.keys.session(session_id).as_list()
-    ttl_ms = int(store.options.ttl_seconds * 1000)
 
     def script_call() -> object:
         # The script as ``save`` calls it: the value as its argument, or staged (sent to a
         # staging key in the same round trip) from ``store.stage_from_bytes``.
-        if len(value) >= store.stage_from_bytes:
-            return store._save_staged(session_id, value, store.now_seq(), "")
-        deadline = int(store.clock() * 1000) + ttl_ms
-        return store.scripts.save(
-            keys=keys, args=[store.now_seq(), value, ttl_ms, deadline, 2 * ttl_ms, session_id]
-        )
+        return store._save_direct(session_id, value, store.now_seq(), "")
 
     wire = checkpoint_to_wire(checkpoint)
     steps: dict[str, Callable[[], object]] = {

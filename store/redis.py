@@ -80,7 +80,7 @@ HINT_FULL = "full"
 HINTED_SLOTS_PER_SWEEP = 4096
 
 #: Stored values at least this large (bytes, compressed) reach ``save.lua`` through a staging
-#: key rather than as an argument (see ``RedisStore._save_staged``): from ~20 KB stored (a
+#: key rather than as an argument (see ``RedisStore._save_direct``): from ~20 KB stored (a
 #: 50 KB checkpoint) up, that takes more off Redis's time than the extra command adds.
 STAGE_FROM_BYTES = 16 * 1024
 
@@ -187,7 +187,7 @@ class RedisStore(CheckpointStore):
         self.keys = keys
         self._cluster = cluster
         self.scripts = Scripts.register(client)
-        #: Stored values from this size (bytes) are staged (``_save_staged``); batches stage
+        #: Stored values from this size (bytes) are staged (``_save_direct``); batches stage
         #: on a cluster too, single saves only on a single Redis (there they would need
         #: redis-py's pipeline, which on a single Redis cost more client CPU than staging
         #: saved up to 100 KB checkpoints, ~40 KB stored).
@@ -277,11 +277,11 @@ class RedisStore(CheckpointStore):
         encoded = self.encode(checkpoint)
         session_id = checkpoint.session_id
         with _store_errors(f"save {session_id!r}"):
-            if len(encoded.value) >= self.stage_from_bytes and not self._cluster:
-                applied = self._save_staged(session_id, encoded.value, seq, request_id)
-            else:
+            if self._cluster:
                 keys, args = self._save_call(session_id, encoded.value, seq, request_id)
                 applied = self.scripts.save(keys=keys, args=args)
+            else:
+                applied = self._save_direct(session_id, encoded.value, seq, request_id)
         ref = self.ref(session_id, checkpoint.version)
         return SaveResult.of(ref, checkpoint, seq, encoded, bool(applied))
 
@@ -310,30 +310,35 @@ class RedisStore(CheckpointStore):
     # Readers see the same key, bytes and TTL either way; only keyspace notifications
     # differ (``rename_to`` on the data key instead of ``set``).
 
-    def _save_staged(self, session_id: str, value: bytes, seq: int, request_id: str) -> int:
-        """One staged save on a single Redis, in one round trip; save.lua's reply (1 or 0).
+    def _save_direct(self, session_id: str, value: bytes, seq: int, request_id: str) -> int:
+        """One save on a single Redis, in one round trip; save.lua's reply (1 or 0).
 
-        The two commands go down a pooled connection directly (redis-py's pipeline costs
-        ~40 us of client CPU more per call than the commands themselves), with the client's
-        retry policy, as its own commands have.
+        Values from ``stage_from_bytes`` are staged (the staging ``SET``, then the script).
+        The commands go down a pooled connection directly (``_round_trip``), with the
+        client's retry policy as its own commands have: redis-py's command path cost 20-30
+        us of client CPU more per save (20 KB, interleaved A/B), its pipeline ~40 us more.
         """
-        staging = self._staging_key(session_id)
-        keys, args = self._save_call(session_id, b"", seq, request_id, staging=staging)
         script = self.scripts.save
-        commands: list[tuple[Any, ...]] = [
-            ("SET", staging, value, "PX", STAGING_TTL_MS),
-            ("EVALSHA", script.sha, len(keys), *keys, *args),
-        ]
-        stage, applied = _round_trip(self.client, commands)
-        if isinstance(applied, redis_errors.NoScriptError) and stage == b"OK":
-            # After a restart or SCRIPT FLUSH: load it and send both again (the same staging
-            # key, written again, so nothing is left behind).
+        commands: list[tuple[Any, ...]] = []
+        if len(value) >= self.stage_from_bytes:
+            staging = self._staging_key(session_id)
+            commands.append(("SET", staging, value, "PX", STAGING_TTL_MS))
+            keys, args = self._save_call(session_id, b"", seq, request_id, staging=staging)
+        else:
+            keys, args = self._save_call(session_id, value, seq, request_id)
+        commands.append(("EVALSHA", script.sha, len(keys), *keys, *args))
+        replies = _round_trip(self.client, commands)
+        if isinstance(replies[-1], redis_errors.NoScriptError) and not any(
+            isinstance(reply, Exception) for reply in replies[:-1]
+        ):
+            # After a restart or SCRIPT FLUSH: load it and send them again (a staged value
+            # goes to the same staging key again, so nothing is left behind).
             self.client.script_load(script.script)
-            stage, applied = _round_trip(self.client, commands)
-        for reply in (stage, applied):
+            replies = _round_trip(self.client, commands)
+        for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
-        return int(applied)
+        return int(replies[-1])
 
     def _staging_key(self, session_id: str) -> str:
         return self.keys.staging(session_id, os.urandom(12).hex())
@@ -379,7 +384,7 @@ class RedisStore(CheckpointStore):
 
         Items are validated and encoded first; one the store refuses gets its
         ``InvalidInput`` as its result and is not sent. Large values are staged (see
-        ``_save_staged``): their staging ``SET`` goes just before their script.
+        ``_save_direct``): their staging ``SET`` goes just before their script.
         """
         results: list[BatchResult | None] = []
         finish: list[Callable[[Any], BatchResult]] = []
@@ -926,7 +931,9 @@ def _round_trip(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
     Connection errors are retried by the client's retry policy, which sends them all again.
     """
     pool = client.connection_pool
-    conn: Any = pool.get_connection()
+    # A client made with single_connection_client keeps one connection for every command.
+    own: Any = getattr(client, "connection", None)
+    conn: Any = own or pool.get_connection()
 
     def send() -> list[Any]:
         conn.send_packed_command(conn.pack_commands(commands))
@@ -945,7 +952,8 @@ def _round_trip(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
         conn.disconnect()
         raise
     finally:
-        pool.release(conn)
+        if own is None:
+            pool.release(conn)
 
 
 def _text(value: bytes | None) -> str:

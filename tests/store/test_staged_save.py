@@ -1,5 +1,5 @@
 """Staged saves: a large value goes to a staging key of its own and save.lua renames it onto
-the data key (``RedisStore._save_staged``). The contract suite runs every behaviour through
+the data key (``RedisStore._save_direct``). The contract suite runs every behaviour through
 this path too (backend ``redis-staged``); these tests cover what is particular to it: no
 staging key outlives its save, whatever the outcome, and a refused staging write is the
 same error as a refused save."""
@@ -121,8 +121,10 @@ def test_concurrent_staged_saves_of_one_session_keep_the_newest(real_redis: redi
     assert _staging_keys(real_redis) == []
 
 
-def test_a_staged_save_reloads_a_flushed_script(real_redis: redis.Redis) -> None:
+@pytest.mark.parametrize("staged", [False, True], ids=["as-argument", "staged"])
+def test_a_save_reloads_a_flushed_script(real_redis: redis.Redis, staged: bool) -> None:
     store = _staged_store(real_redis)
+    store.stage_from_bytes = 0 if staged else 1 << 30
     real_redis.script_flush()
     assert store.save(make_checkpoint("s1"), seq=1).applied
     assert store.load("s1") == make_checkpoint("s1")
