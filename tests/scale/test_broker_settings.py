@@ -6,6 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from checkpointq.tasks.brokers import BrokerKind, broker_kind, transport_options
+from checkpointq.worker import reserve
 from checkpointq.worker.app import celery_config
 from checkpointq.worker.settings import Settings
 
@@ -39,6 +40,14 @@ def test_rabbitmq_gets_publisher_confirms_and_no_redis_options() -> None:
 def test_redis_keeps_its_visibility_timeout() -> None:
     options = celery_config(Settings(broker_url="redis://h:6379/0"))["broker_transport_options"]
     assert options["visibility_timeout"] == 300 and "confirm_publish" not in options
+
+
+def test_redis_and_sentinel_workers_get_the_byte_budget_of_what_they_hold_reserved() -> None:
+    plain = Settings(broker_url="redis://h:6379/0", prefetch_max_bytes=1_000_000)
+    sentinel = Settings(broker_url=SENTINELS, store_url="redis://h:6379/0", sentinel_master="cq")
+    for settings, budget in ((plain, 1_000_000), (sentinel, Settings().prefetch_max_bytes)):
+        options = celery_config(settings)["broker_transport_options"]
+        assert options[reserve.MAX_HELD_BYTES_OPTION] == budget
 
 
 def test_sentinel_gets_master_name_password_and_visibility_timeout() -> None:
