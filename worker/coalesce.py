@@ -23,11 +23,13 @@ When a group goes (the latency a message pays for sharing a round trip):
 
 So a message waits in the main process at most ``window``, or until a pool process is free
 or its group full while every one is busy: the reserved messages are bounded by the
-prefetch (``max_items`` per pool process), and the groups in flight by the pool size (full
-ones aside). The window used to hold every group, an idle worker's too (at half the
-coalescing-off worker's capacity: p50 6.0 ms with it, 3.1 without, side by side); with no
-window at all, groups were mostly single messages at half the default's capacity on a loaded
-machine, p50 33 ms against 8.6 with the old window (latency bench, side by side).
+prefetch (``max_items`` per pool process) and by their bodies' bytes
+(``CHECKPOINTQ_PREFETCH_MAX_BYTES``, ``reserve.byte_room``: groups of large saves are
+smaller), and the groups in flight by the pool size (full ones aside). The window used to
+hold every group, an idle worker's too (at half the coalescing-off worker's capacity: p50
+6.0 ms with it, 3.1 without, side by side); with no window at all, groups were mostly
+single messages at half the default's capacity on a loaded machine, p50 33 ms against 8.6
+with the old window (latency bench, side by side).
 
 Delivery guarantees stay exactly those of one task per message:
 
