@@ -384,16 +384,26 @@ class RedisStore(CheckpointStore):
 
         Items are validated and encoded first; one the store refuses gets its
         ``InvalidInput`` as its result and is not sent. Large values are staged (see
-        ``_save_direct``): their staging ``SET`` goes just before their script.
+        ``_save_direct``): their staging ``SET`` goes just before their script. On a single
+        Redis the commands go down a pooled connection directly (``_send_batch``); on a
+        cluster, through the cluster client's pipeline, which routes them by slot.
         """
         results: list[BatchResult | None] = []
         finish: list[Callable[[Any], BatchResult]] = []
         tombstone_ms = _ms(self.options.tombstone_ttl_seconds)
         now_ms = _ms(self.clock())
-        pipe = self.client.pipeline(transaction=False)
-        # Positions of the staging SETs' replies among the pipeline's, dropped from them.
+        pipe = self.client.pipeline(transaction=False) if self._cluster else None
+        commands: list[tuple[Any, ...]] = []  # single Redis: what _send_batch sends
+        # Positions of the staging SETs' replies among all replies, dropped from them.
         staged: set[int] = set()
         sent = 0
+
+        def call(script: Script, keys: list[str], args: list[Any]) -> None:
+            if pipe is None:
+                commands.append(("EVALSHA", script.sha, len(keys), *keys, *args))
+            else:
+                queue(script, pipe, keys, args)
+
         for op in ops:
             try:
                 if isinstance(op, SaveOp):
@@ -403,13 +413,16 @@ class RedisStore(CheckpointStore):
                     staging = None
                     if len(encoded.value) >= self.stage_from_bytes:
                         staging = self._staging_key(cp.session_id)
-                        pipe.set(staging, encoded.value, px=STAGING_TTL_MS)
+                        if pipe is None:
+                            commands.append(("SET", staging, encoded.value, "PX", STAGING_TTL_MS))
+                        else:
+                            pipe.set(staging, encoded.value, px=STAGING_TTL_MS)
                         staged.add(sent)
                         sent += 1
                     keys, args = self._save_call(
                         cp.session_id, encoded.value, seq, op.request_id, now_ms, staging=staging
                     )
-                    queue(self.scripts.save, pipe, keys, args)
+                    call(self.scripts.save, keys, args)
                     sent += 1
                     ref = self.ref(cp.session_id, cp.version)
                     # save.lua's reply (1 or 0) becomes the result's ``applied``.
@@ -419,7 +432,7 @@ class RedisStore(CheckpointStore):
                     seq = self.resolve_seq(op.seq)
                     keys = self.keys.session(op.session_id).as_list()
                     args = [seq, tombstone_ms, op.session_id, op.request_id]
-                    queue(self.scripts.delete, pipe, keys, args)
+                    call(self.scripts.delete, keys, args)
                     sent += 1
                     finish.append(bool)
                 results.append(None)
@@ -427,13 +440,41 @@ class RedisStore(CheckpointStore):
                 results.append(exc)
         if finish:
             with _store_errors(f"apply a batch of {len(finish)}"):
-                replies = iter([reply for i, reply in enumerate(pipe.execute()) if i not in staged])
+                every = pipe.execute() if pipe is not None else self._send_batch(commands, staged)
+                replies = iter([reply for i, reply in enumerate(every) if i not in staged])
         else:
             replies = iter(())
         finishers = iter(finish)
         return [
             result if result is not None else next(finishers)(next(replies)) for result in results
         ]
+
+    def _send_batch(self, commands: list[tuple[Any, ...]], staged: set[int]) -> list[Any]:
+        """Send a batch's commands (``staged``: the positions of staging SETs, each just
+        before its script) in one round trip; raise the first error reply, as a pipeline
+        does.
+
+        redis-py's pipeline would first ask whether the scripts are loaded (SCRIPT EXISTS,
+        one more round trip per batch) and costs ~40 us of client CPU more. Here a script
+        missing from Redis's cache (a restart, SCRIPT FLUSH) fails its calls with NOSCRIPT:
+        the scripts are loaded and only those calls (with their staging SETs) sent again,
+        in order; the calls that ran stand, each fenced as alone.
+        """
+        replies = _round_trip(self.client, commands)
+        missing = [
+            i for i, reply in enumerate(replies) if isinstance(reply, redis_errors.NoScriptError)
+        ]
+        if missing:
+            for script in (self.scripts.save, self.scripts.delete):
+                self.client.script_load(script.script)
+            again = sorted({*missing, *(i - 1 for i in missing if i - 1 in staged)})
+            resent = _round_trip(self.client, [commands[i] for i in again])
+            for i, reply in zip(again, resent, strict=True):
+                replies[i] = reply
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
 
     def refresh(self, session_id: str) -> bool:
         self.check_session_id(session_id)

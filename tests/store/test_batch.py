@@ -88,31 +88,34 @@ def test_an_empty_batch_does_nothing(store: CheckpointStore) -> None:
 
 def test_a_redis_batch_is_one_round_trip(store_env: StoreEnv) -> None:
     if store_env.backend not in ("redis", "redis-staged", "fakeredis"):
-        pytest.skip("counts pipelines of a single Redis")
+        pytest.skip("counts the writes to a single Redis")
     store = _fresh_store(store_env)
     assert isinstance(store, RedisStore)
-    executed = 0
-    real_pipeline = store.client.pipeline
+    store.scripts.save(keys=["warm", "warm-fence", "warm-index"], args=[1, b"", 1, 1, 1, "w"])
+    store.scripts.delete(keys=["warm", "warm-fence", "warm-index"], args=[2, 1, "w", ""])
+    writes = 0
+    pool = store.client.connection_pool
+    real_get_connection = pool.get_connection
 
-    def counting_pipeline(*args: Any, **kwargs: Any) -> Any:
-        pipe = real_pipeline(*args, **kwargs)
-        real_execute = pipe.execute
+    def counting_get_connection(*args: Any, **kwargs: Any) -> Any:
+        conn = real_get_connection(*args, **kwargs)
+        real_send = conn.send_packed_command
 
-        def execute(*a: Any, **kw: Any) -> Any:
-            nonlocal executed
-            executed += 1
-            return real_execute(*a, **kw)
+        def send(*a: Any, **kw: Any) -> Any:
+            nonlocal writes
+            writes += 1
+            return real_send(*a, **kw)
 
-        pipe.execute = execute
-        return pipe
+        conn.send_packed_command = send
+        return conn
 
-    store.client.pipeline = counting_pipeline
+    pool.get_connection = counting_get_connection
     try:
         ops: list[BatchOp] = [SaveOp(make_checkpoint(f"s{n}"), 1_000 + n) for n in range(50)]
         results = store.apply_batch([*ops, DeleteOp("s0", 5_000)])
     finally:
-        del store.client.pipeline  # back to the class's method
-    assert executed == 1
+        del pool.get_connection  # back to the class's method
+    assert writes == 1
     assert all(isinstance(r, SaveResult) and r.applied for r in results[:50])
     assert results[50] is True
 

@@ -200,3 +200,29 @@ def test_a_cluster_batch_stages_large_values_in_their_slots(cluster_store: Redis
         for key in cluster_store.client.get_redis_connection(node).scan_iter(match="*:staging:*")
     ]
     assert leftover == []
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["as-argument", "staged"])
+def test_a_batch_reloads_flushed_scripts_and_applies_every_item(
+    real_redis: redis.Redis, staged: bool
+) -> None:
+    # Given a store whose scripts Redis has forgotten (a restart, SCRIPT FLUSH)
+    store = _staged_store(real_redis)
+    store.stage_from_bytes = 0 if staged else 1 << 30
+    assert store.save(make_checkpoint("b", version=1), seq=1).applied
+    real_redis.script_flush()
+    # When a batch of saves and a delete arrives
+    results = store.apply_batch(
+        [
+            SaveOp(make_checkpoint("a", version=1), 10),
+            DeleteOp("b", 2),
+            SaveOp(make_checkpoint("a", version=2), 11),
+        ]
+    )
+    # Then every item applied, in order, and nothing was left behind
+    applied = [r.applied if isinstance(r, SaveResult) else r for r in results]
+    assert applied == [True, True, True]
+    loaded = store.load("a")
+    assert loaded is not None and loaded.version == 2
+    assert store.list() == ["a"]
+    assert _staging_keys(real_redis) == []
