@@ -84,9 +84,9 @@ def write_report(
         f"| redis-py | {redis.__version__} |",
         f"| repetitions | {config.repeats} (medians, with min-max) |",
         "",
-        "Other work ran on this machine at the same time (other builds and test suites): "
-        "absolute numbers are noisy; the ratios compare two things measured side by side "
-        "in the same run and are the figures to quote.",
+        "The machine may be shared with other work (the load averages above and in each "
+        "section say how busy it was): absolute numbers move with it; the ratios compare two "
+        "things measured side by side in the same run and are the figures to quote.",
         "",
         "## Targets",
         "",
