@@ -314,31 +314,23 @@ class RedisStore(CheckpointStore):
         """One save on a single Redis, in one round trip; save.lua's reply (1 or 0).
 
         Values from ``stage_from_bytes`` are staged (the staging ``SET``, then the script).
-        The commands go down a pooled connection directly (``_round_trip``), with the
+        The commands go down a pooled connection directly (``_send_batch``), with the
         client's retry policy as its own commands have: redis-py's command path cost 20-30
         us of client CPU more per save (20 KB, interleaved A/B), its pipeline ~40 us more.
         """
-        script = self.scripts.save
         commands: list[tuple[Any, ...]] = []
+        staged: set[int] = set()
         if len(value) >= self.stage_from_bytes:
             staging = self._staging_key(session_id)
             commands.append(("SET", staging, value, "PX", STAGING_TTL_MS))
+            staged.add(0)
             keys, args = self._save_call(session_id, b"", seq, request_id, staging=staging)
         else:
             keys, args = self._save_call(session_id, value, seq, request_id)
-        commands.append(("EVALSHA", script.sha, len(keys), *keys, *args))
-        replies = _round_trip(self.client, commands)
-        if isinstance(replies[-1], redis_errors.NoScriptError) and not any(
-            isinstance(reply, Exception) for reply in replies[:-1]
-        ):
-            # After a restart or SCRIPT FLUSH: load it and send them again (a staged value
-            # goes to the same staging key again, so nothing is left behind).
-            self.client.script_load(script.script)
-            replies = _round_trip(self.client, commands)
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        return int(replies[-1])
+        commands.append(("EVALSHA", self.scripts.save.sha, len(keys), *keys, *args))
+        # A batch of one: ``_send_batch`` reloads a flushed script cache and sends the call
+        # again (a staged value to the same staging key, so nothing is left behind).
+        return int(self._send_batch(commands, staged)[-1])
 
     def _staging_key(self, session_id: str) -> str:
         return self.keys.staging(session_id, os.urandom(12).hex())
