@@ -23,11 +23,6 @@ type failingRedis struct {
 	calls atomic.Int64
 }
 
-func (f *failingRedis) LPush(context.Context, string, []byte) error {
-	f.calls.Add(1)
-	return f.err
-}
-
 func (f *failingRedis) Eval(context.Context, string, []string, ...interface{}) (interface{}, error) {
 	f.calls.Add(1)
 	return nil, f.err
@@ -136,7 +131,8 @@ func TestWaitDurableRetriesATransientErrorUntilItsDeadline(t *testing.T) {
 
 func TestARedirectionClusterClientKeepsGettingSaysTheAdapterMustFollowIt(t *testing.T) {
 	store := &failingRedis{err: replyError("MOVED 3999 127.0.0.1:7001")}
-	c := New[Checkpoint](Config{Broker: store, Cluster: true})
+	noRecords := &replyingRedis{reply: []interface{}{nil, nil, nil, nil, nil}} // a broker with no pending record
+	c := New[Checkpoint](Config{Broker: noRecords, Store: store, Cluster: true})
 	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 	defer cancel()
 	_, waitErr := c.WaitDurable(ctx, Handle{TaskID: "t", Task: TaskSave, SessionID: "s", Seq: 1})

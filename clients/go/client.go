@@ -2,14 +2,17 @@
 // package's Store that enqueues saves and deletes for the checkpointq workers instead of
 // writing Redis itself, and reads the store the workers write (the Go RedisStore's layout).
 //
-// Save and Delete publish one fenced Celery protocol 2 message each (one LPUSH) and return
-// at once; WaitDurable tells when, and how, a request took effect. Every request carries a
-// causal seq (see docs/protocol.md, "The producer rule").
+// Save and Delete publish one fenced Celery protocol 2 message each and return at once; the
+// script that pushes it also records the request on the broker (pending.go), so that every
+// replica's Load and List see it while the queue holds it. WaitDurable tells when, and how,
+// a request took effect. Every request carries a causal seq (see docs/protocol.md, "The
+// producer rule").
 package checkpointq
 
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"reflect"
 	"sort"
@@ -21,7 +24,8 @@ import (
 type Config struct {
 	// Broker receives the requests (CHECKPOINTQ_BROKER_URL's Redis). Required.
 	Broker Redis
-	// Store is the store Redis (CHECKPOINTQ_STORE_URL); nil: the broker's.
+	// Store is the store Redis (CHECKPOINTQ_STORE_URL); nil: the broker's, and then a Load
+	// reads the pending record and the store in one script call.
 	Store Redis
 	// Cluster says the store is a Redis Cluster (a redis+cluster:// CHECKPOINTQ_STORE_URL):
 	// the client then uses the cluster key layout, and Store must route each command to
@@ -41,8 +45,17 @@ type Config struct {
 	// MaxMessageBytes is the largest body published (CHECKPOINTQ_MAX_MESSAGE_BYTES, whose
 	// default, 8 MiB, is this default too); larger requests fail with ErrInvalidInput.
 	MaxMessageBytes int
-	// HistoryCap is how many of the most recent messages a save keeps (the Go store: 100).
+	// HistoryCap is how many of the most recent messages a save keeps (the Go store: 100;
+	// CHECKPOINTQ_HISTORY_CAP).
 	HistoryCap int
+	// MaxValueBytes is the stored-size budget (CHECKPOINTQ_MAX_VALUE_BYTES, default 1 MiB):
+	// a save whose compressed value is larger keeps its most recent messages that fit, and
+	// one whose most recent message alone does not fit fails with ErrTooLarge, as the
+	// worker would refuse it. Set it to the workers' value.
+	MaxValueBytes int
+	// SessionTTL is a session's lifetime (CHECKPOINTQ_TTL_SECONDS, default 30 days), and so
+	// a pending record's: a queued request can be delivered that long.
+	SessionTTL time.Duration
 	// Now is the clock that stamps requests; default time.Now.
 	Now func() time.Time
 	// WaitOnWrite makes Save and Delete return only once WaitDurable has (read-your-writes,
@@ -91,12 +104,15 @@ type Result struct {
 // apiserver's agentorcav1alpha1.Checkpoint, or this package's Checkpoint, which has the
 // same JSON). Safe for concurrent use.
 type Client[C any] struct {
-	cfg     Config
-	keys    keySpace
-	clock   *seqClock
-	fields  checkpointFields
-	replyTo string
-	origin  string
+	cfg  Config
+	keys keySpace
+	// oneRedis: the broker is the store, so a load reads record and store in one call.
+	oneRedis bool
+	epochs   epochs
+	clock    *seqClock
+	fields   checkpointFields
+	replyTo  string
+	origin   string
 }
 
 // New returns a client for cfg. Like the Go NewRedisStore, it panics when cfg.Broker is
@@ -105,6 +121,7 @@ func New[C any](cfg Config) *Client[C] {
 	if cfg.Broker == nil {
 		panic("checkpointq.New: Config.Broker must not be nil")
 	}
+	oneRedis := !cfg.Cluster && sameRedis(cfg.Broker, cfg.Store)
 	if cfg.Store == nil {
 		cfg.Store = cfg.Broker
 	}
@@ -129,6 +146,12 @@ func New[C any](cfg Config) *Client[C] {
 	if cfg.HistoryCap <= 0 {
 		cfg.HistoryCap = 100
 	}
+	if cfg.MaxValueBytes <= 0 {
+		cfg.MaxValueBytes = 1 << 20
+	}
+	if cfg.SessionTTL <= 0 {
+		cfg.SessionTTL = 30 * 24 * time.Hour
+	}
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
@@ -137,7 +160,7 @@ func New[C any](cfg Config) *Client[C] {
 		panic(err)
 	}
 	return &Client[C]{
-		cfg: cfg, keys: keySpace{prefix: cfg.Prefix, cluster: cfg.Cluster}, clock: newSeqClock(cfg.Now),
+		cfg: cfg, keys: keySpace{prefix: cfg.Prefix, cluster: cfg.Cluster}, oneRedis: oneRedis, clock: newSeqClock(cfg.Now),
 		fields:  fieldsOf(reflect.TypeOf((*C)(nil)).Elem()),
 		replyTo: replyTo, origin: origin(),
 	}
@@ -172,20 +195,18 @@ func (c *Client[C]) Save(ctx context.Context, cp *C) (string, error) {
 	return h.Ref, err
 }
 
-// SaveAsync enqueues a save of cp, keeping its HistoryCap most recent messages, and
-// returns the request's handle once the broker has it.
+// SaveAsync enqueues a save of cp, keeping its HistoryCap most recent messages (fewer when
+// they do not fit MaxValueBytes, as the store keeps them), and returns the request's handle
+// once the broker has it and its pending record.
 func (c *Client[C]) SaveAsync(ctx context.Context, cp *C, opts ...RequestOption) (Handle, error) {
 	if cp == nil {
 		return Handle{}, fmt.Errorf("%w: nil checkpoint", ErrInvalidInput)
 	}
-	head, err := marshalCheckpoint(c.fields, cp, c.cfg.HistoryCap)
+	save, err := c.encodeSave(cp)
 	if err != nil {
 		return Handle{}, err
 	}
-	if err := ValidateSessionID(head.SessionID); err != nil {
-		return Handle{}, err
-	}
-	doc := head.Doc
+	head, doc := save.checkpointHead, save.Doc
 	seq, err := c.clock.next(head.SessionID, applyOptions(opts).after)
 	if err != nil {
 		return Handle{}, err
@@ -197,7 +218,7 @@ func (c *Client[C]) SaveAsync(ctx context.Context, cp *C, opts ...RequestOption)
 		Task: TaskSave, SessionID: head.SessionID, Seq: seq,
 		Ref: fmt.Sprintf("session://%s/v%d", head.SessionID, head.Version),
 	}
-	return c.enqueue(ctx, h, protocolBody(args, seq), argsRepr)
+	return c.enqueue(ctx, h, protocolBody(args, seq), argsRepr, save.Value)
 }
 
 // Delete enqueues a delete of sessionID (Store.Delete); an empty id is a no-op, as in the
@@ -225,13 +246,14 @@ func (c *Client[C]) DeleteAsync(ctx context.Context, sessionID string, opts ...R
 	}
 	args, _ := json.Marshal([]string{sessionID})
 	h := Handle{Task: TaskDelete, SessionID: sessionID, Seq: seq}
-	return c.enqueue(ctx, h, protocolBody(args, seq), "["+pyQuote(sessionID)+"]")
+	return c.enqueue(ctx, h, protocolBody(args, seq), "["+pyQuote(sessionID)+"]", nil)
 }
 
-func (c *Client[C]) enqueue(ctx context.Context, h Handle, body []byte, argsRepr string) (Handle, error) {
+// enqueue publishes one request: value is a save's stored value, nil for a delete.
+func (c *Client[C]) enqueue(ctx context.Context, h Handle, body []byte, argsRepr string, value []byte) (Handle, error) {
 	if len(body) > c.cfg.MaxMessageBytes {
 		return Handle{}, fmt.Errorf("%w: %s for session %q is %d bytes; the limit is %d",
-			ErrInvalidInput, h.Task, h.SessionID, len(body), c.cfg.MaxMessageBytes)
+			ErrTooLarge, h.Task, h.SessionID, len(body), c.cfg.MaxMessageBytes)
 	}
 	taskID, err := newUUID()
 	if err != nil {
@@ -243,23 +265,38 @@ func (c *Client[C]) enqueue(ctx context.Context, h Handle, body []byte, argsRepr
 	if err != nil {
 		return Handle{}, err
 	}
-	if err := c.publish(ctx, h, msg); err != nil {
+	op, recorded := opSave, value
+	if h.Task == TaskDelete {
+		op, recorded = opDelete, []byte{}
+	}
+	token, err := newUUID()
+	if err != nil {
+		return Handle{}, err
+	}
+	keys := []string{c.cfg.Queue, c.keys.pendingIndex(), c.keys.pendingEpoch(), c.keys.pending(h.SessionID)}
+	args := []interface{}{msg, c.cfg.SessionTTL.Milliseconds(), token,
+		h.SessionID, strconv.FormatInt(h.Seq, 10), op, taskID, recorded}
+	if err := c.publish(ctx, h, keys, args); err != nil {
 		return Handle{}, err
 	}
 	return h, nil
 }
 
-// publish LPUSHes msg, retrying failed pushes with backoff until PublishTimeout, except
-// for an error reply that retrying cannot change (a *RedisError, at once). A push
-// that failed after all may still have landed, so one request can arrive twice: harmless,
-// since requests are fenced by seq.
-func (c *Client[C]) publish(ctx context.Context, h Handle, msg []byte) error {
+// publish runs publishScript (the LPUSH and the pending record, atomically), retrying
+// failures with backoff until PublishTimeout, except for an error reply that retrying
+// cannot change (a *RedisError, at once). A push that failed after all may still have
+// landed, so one request can arrive twice: harmless, since requests are fenced by seq, and
+// the record keeps one request per seq.
+func (c *Client[C]) publish(ctx context.Context, h Handle, keys []string, args []interface{}) error {
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.PublishTimeout)
 	defer cancel()
 	wait := 50 * time.Millisecond
 	for attempt := 1; ; attempt++ {
-		err := c.cfg.Broker.LPush(ctx, c.cfg.Queue, msg)
+		reply, err := c.cfg.Broker.Eval(ctx, publishScript, keys, args...)
 		if err == nil {
+			if epoch, err := replyText(reply); err == nil {
+				c.epochs.observe(epoch)
+			}
 			return nil
 		}
 		op := fmt.Sprintf("the publish of %s for session %q to queue %q", h.Task, h.SessionID, c.cfg.Queue)
@@ -286,16 +323,24 @@ func (c *Client[C]) publish(ctx context.Context, h Handle, msg []byte) error {
 
 // -- reads -------------------------------------------------------------------------------
 
-// Load reads sessionID's checkpoint from the store (Store.Load): nil, nil when absent,
-// expired or deleted, and for an empty id.
+// Load reads sessionID's checkpoint (Store.Load): the newest accepted write, whether the
+// workers applied it or the queue still holds it; nil, nil when absent, expired or deleted
+// (a pending delete included), and for an empty id.
 func (c *Client[C]) Load(ctx context.Context, sessionID string) (*C, error) {
 	cp, _, err := c.LoadWithSeq(ctx, sessionID)
 	return cp, err
 }
 
-// LoadWithSeq is Load that also returns the session's fence seq (0 when none): the seq
-// of the last applied request. A later Save or Delete from this client sorts after it by
-// itself; a process that saves what another loaded passes it as After(seq).
+// LoadWithSeq is Load that also returns the seq of the request it read (0 when none): the
+// session's fence, or its pending record's seq when that is newer. A later Save or Delete
+// from this client sorts after it by itself; a process that saves what another loaded
+// passes it as After(seq).
+//
+// The pending record is read before the store (docs/protocol.md, "Pending records": a
+// record is removed only once its request was applied, so one found missing is in the
+// store), in one script call when the broker is the store, else in one call to each. A
+// broker that does not answer fails the load (ErrBrokerUnavailable): the store alone may
+// miss writes the queue holds.
 func (c *Client[C]) LoadWithSeq(ctx context.Context, sessionID string) (*C, int64, error) {
 	if sessionID == "" {
 		return nil, 0, nil
@@ -305,27 +350,29 @@ func (c *Client[C]) LoadWithSeq(ctx context.Context, sessionID string) (*C, int6
 	}
 	ctx, cancel := c.readContext(ctx)
 	defer cancel()
-	keys := []string{c.keys.data(sessionID), c.keys.fence(sessionID)}
-	reply, err := c.cfg.Store.Eval(ctx, loadScript, keys)
+	rec, stored, err := c.readSession(ctx, sessionID)
 	if err != nil {
-		return nil, 0, c.readError(fmt.Sprintf("the load of session %q", sessionID), err)
+		return nil, 0, err
 	}
-	items, err := replyList(reply, 5)
-	if err != nil {
-		return nil, 0, fmt.Errorf("%w: load %q: %v", ErrStoreUnavailable, sessionID, err)
-	}
-	seq, hasSeq, err := replyInt(items[1])
+	seq, hasSeq, err := replyInt(stored[1])
 	if err != nil {
 		return nil, 0, fmt.Errorf("%w: fence of %q: %v", ErrCorrupt, sessionID, err)
+	}
+	var value []byte
+	found := false
+	if rec.wins(seq, hasSeq) {
+		seq, hasSeq = rec.seq, true
+		value, found = rec.value, !rec.deleted
+	} else if value, found, err = replyBytes(stored[0]); err != nil {
+		return nil, 0, fmt.Errorf("%w: load %q: %v", ErrStoreUnavailable, sessionID, err)
 	}
 	if hasSeq {
 		c.clock.observe(sessionID, seq)
 	}
-	stored, found, err := replyBytes(items[0])
-	if err != nil || !found {
-		return nil, seq, err
+	if !found {
+		return nil, seq, nil
 	}
-	doc, err := decodeValue(stored)
+	doc, err := decodeValue(value)
 	if err != nil {
 		return nil, seq, fmt.Errorf("%w: %q: %v", ErrCorrupt, sessionID, err)
 	}
@@ -336,20 +383,80 @@ func (c *Client[C]) LoadWithSeq(ctx context.Context, sessionID string) (*C, int6
 	return cp, seq, nil
 }
 
-// List returns every live session id, sorted (Store.List). It reads checkpointq's
+// readSession reads sessionID's pending record (broker), then its value and fence (store,
+// loadScript's reply: value, seq, deleted, req, deadline).
+func (c *Client[C]) readSession(ctx context.Context, sessionID string) (pendingRecord, []interface{}, error) {
+	op := fmt.Sprintf("the load of session %q", sessionID)
+	recordKeys := []string{c.keys.pending(sessionID), c.keys.pendingEpoch()}
+	storeKeys := []string{c.keys.data(sessionID), c.keys.fence(sessionID)}
+	var items []interface{}
+	if c.oneRedis {
+		reply, err := c.cfg.Store.Eval(ctx, loadPendingScript, append(recordKeys, storeKeys...))
+		if err != nil {
+			return pendingRecord{}, nil, c.readError(op, err)
+		}
+		if items, err = replyList(reply, 10); err != nil {
+			return pendingRecord{}, nil, fmt.Errorf("%w: load %q: %v", ErrStoreUnavailable, sessionID, err)
+		}
+	} else {
+		reply, err := c.cfg.Broker.Eval(ctx, readPendingScript, recordKeys)
+		if err != nil {
+			return pendingRecord{}, nil, c.brokerReadError(op, err)
+		}
+		if items, err = replyList(reply, 5); err != nil {
+			return pendingRecord{}, nil, fmt.Errorf("%w: load %q: %v", ErrBrokerUnavailable, sessionID, err)
+		}
+		if reply, err = c.cfg.Store.Eval(ctx, loadScript, storeKeys); err != nil {
+			return pendingRecord{}, nil, c.readError(op, err)
+		}
+		stored, err := replyList(reply, 5)
+		if err != nil {
+			return pendingRecord{}, nil, fmt.Errorf("%w: load %q: %v", ErrStoreUnavailable, sessionID, err)
+		}
+		items = append(items, stored...)
+	}
+	rec, err := parseRecord(items[:4])
+	if err != nil {
+		return pendingRecord{}, nil, fmt.Errorf("%w: the pending record of %q: %v", ErrCorrupt, sessionID, err)
+	}
+	epoch, err := replyText(items[4])
+	if err != nil {
+		return pendingRecord{}, nil, fmt.Errorf("%w: the pending epoch: %v", ErrCorrupt, err)
+	}
+	c.epochs.observe(epoch)
+	return rec, items[5:], nil
+}
+
+// List returns every live session id, sorted (Store.List), with the pending records
+// merged in: a session whose newest accepted request is a save is listed, one whose newest
+// is a delete is not, whether the workers applied them yet or not. It reads checkpointq's
 // deadline index rather than SCANning the keyspace, so its cost follows the sessions (on
-// a cluster, every slot's index: see listCluster).
+// a cluster, every slot's index: see listCluster), plus the pending records, which the
+// requests the queue holds bound.
 func (c *Client[C]) List(ctx context.Context) ([]string, error) {
 	ctx, cancel := c.readContext(ctx)
 	defer cancel()
 	now := c.cfg.Now().UnixMilli()
+	const op = "the listing of sessions"
+	pending, err := c.pendingSessions(ctx, now) // first, as for a load
+	if err != nil {
+		if c.oneRedis {
+			return nil, c.readError(op, err)
+		}
+		return nil, c.brokerReadError(op, err)
+	}
 	seen := make(map[string]struct{})
 	list := c.listIndex
 	if c.keys.cluster {
 		list = c.listCluster
 	}
 	if err := list(ctx, now, seen); err != nil {
-		return nil, c.readError("the listing of sessions", err)
+		return nil, c.readError(op, err)
+	}
+	if err := c.mergePending(ctx, pending, seen); errors.Is(err, ErrCorrupt) {
+		return nil, err
+	} else if err != nil {
+		return nil, c.readError(op, err)
 	}
 	ids := make([]string, 0, len(seen))
 	for id := range seen {
@@ -378,6 +485,16 @@ func (c *Client[C]) listIndex(ctx context.Context, now int64, seen map[string]st
 			return nil
 		}
 	}
+}
+
+// brokerReadError wraps a failed read of the pending records: a *RedisError when retrying
+// cannot help, else ErrBrokerUnavailable.
+func (c *Client[C]) brokerReadError(op string, err error) error {
+	if refused := c.permanent("broker", op, err); refused != nil {
+		return refused
+	}
+	return fmt.Errorf("%w: %s could not read the pending records on the broker (without them "+
+		"the store's answer may miss writes the queue holds): %v", ErrBrokerUnavailable, op, err)
 }
 
 // readError wraps a failed read: a *RedisError when retrying cannot help, else

@@ -8,11 +8,19 @@ import (
 // The error kinds a caller may tell apart with errors.Is; every error the client returns
 // wraps one of them (or the context's error, for WaitDurable's own deadline).
 var (
-	// ErrInvalidInput: the request was refused before publishing (bad session id, a
-	// checkpoint that does not marshal, a message over MaxMessageBytes). Never retried.
+	// ErrInvalidInput: the request was refused before publishing, as the worker would
+	// refuse it (bad session id, a checkpoint that does not marshal, too large). Never
+	// retried.
 	ErrInvalidInput = errors.New("checkpointq: invalid input")
+	// ErrTooLarge (an ErrInvalidInput too): the checkpoint does not fit the stored-size
+	// budget (MaxValueBytes) even with only its most recent message, or the message is
+	// over MaxMessageBytes. The error's text is the reason the worker would record.
+	ErrTooLarge = fmt.Errorf("%w (too large)", ErrInvalidInput)
 	// ErrBrokerUnavailable: the broker did not take the request within PublishTimeout
-	// (connection failures, timeouts and the error replies worth retrying, classify.go).
+	// (connection failures, timeouts and the error replies worth retrying, classify.go);
+	// or a Load or List could not read the pending records from a broker that is not the
+	// store, and failed rather than serve the store's answer alone, which may miss writes
+	// the queue holds.
 	ErrBrokerUnavailable = errors.New("checkpointq: broker unavailable")
 	// ErrStoreUnavailable: the store Redis did not answer a read (Load, List), or not
 	// within WaitDurable's deadline (connection failures, timeouts, LOADING...).

@@ -60,6 +60,8 @@ type checkpointHead struct {
 	SessionID string
 	Version   int64
 	Doc       []byte
+	// Kept is how many history messages Doc holds.
+	Kept int
 }
 
 // marshalCheckpoint marshals cp with at most historyCap history messages (the most recent).
@@ -70,7 +72,9 @@ func marshalCheckpoint[C any](f checkpointFields, cp *C, historyCap int) (checkp
 	v := reflect.ValueOf(cp).Elem()
 	history := v.FieldByIndex(f.histo)
 	value := any(cp)
-	if history.Len() > historyCap {
+	kept := history.Len()
+	if kept > historyCap {
+		kept = historyCap
 		trimmed := reflect.New(v.Type())
 		trimmed.Elem().Set(v) // a shallow copy: the caller's checkpoint is left alone
 		trimmed.Elem().FieldByIndex(f.histo).Set(history.Slice(history.Len()-historyCap, history.Len()))
@@ -80,7 +84,7 @@ func marshalCheckpoint[C any](f checkpointFields, cp *C, historyCap int) (checkp
 	if err != nil {
 		return checkpointHead{}, fmt.Errorf("%w: checkpoint does not marshal: %v", ErrInvalidInput, err)
 	}
-	return checkpointHead{v.FieldByIndex(f.sessionID).String(), v.FieldByIndex(f.version).Int(), doc}, nil
+	return checkpointHead{v.FieldByIndex(f.sessionID).String(), v.FieldByIndex(f.version).Int(), doc, kept}, nil
 }
 
 // marshalSlow serves checkpoint types that are not structs with the three fields.
@@ -97,7 +101,9 @@ func marshalSlow(cp any, historyCap int) (checkpointHead, error) {
 	if err := json.Unmarshal(doc, &head); err != nil {
 		return checkpointHead{}, fmt.Errorf("%w: checkpoint: %v", ErrInvalidInput, err)
 	}
-	if n := len(head.History); n > historyCap {
+	kept := len(head.History)
+	if n := kept; n > historyCap {
+		kept = historyCap
 		var fields map[string]json.RawMessage
 		if err := json.Unmarshal(doc, &fields); err != nil {
 			return checkpointHead{}, fmt.Errorf("%w: checkpoint: %v", ErrInvalidInput, err)
@@ -109,5 +115,5 @@ func marshalSlow(cp any, historyCap int) (checkpointHead, error) {
 			return checkpointHead{}, err
 		}
 	}
-	return checkpointHead{head.SessionID, head.Version, doc}, nil
+	return checkpointHead{head.SessionID, head.Version, doc, kept}, nil
 }

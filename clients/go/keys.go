@@ -16,6 +16,12 @@ import (
 //	<prefix>.cq:deadlines         the deadline index
 //	<prefix>.cq:refused:<req>     request <req>'s refusal record
 //
+// On the broker (always a single Redis; docs/protocol.md, "Pending records"):
+//
+//	<prefix>.cq:pending:<id>      the newest request for <id> that the queue may hold
+//	<prefix>.cq:pending           their index: id -> record deadline (ms)
+//	<prefix>.cq:pending-epoch     a token that changes when the broker lost its data
+//
 // Redis Cluster (ClusterKeySpace): the data key and the refusal record are the same, while
 // a session's fence and deadline index carry the hash tag of its data key's slot, so that
 // one script reads the value and the fence:
@@ -34,6 +40,10 @@ func (k keySpace) data(sessionID string) string    { return k.prefix + ":" + ses
 func (k keySpace) internal() string                { return k.prefix + ".cq" }
 func (k keySpace) index() string                   { return k.internal() + ":deadlines" }
 func (k keySpace) refused(requestID string) string { return k.internal() + ":refused:" + requestID }
+
+func (k keySpace) pending(sessionID string) string { return k.internal() + ":pending:" + sessionID }
+func (k keySpace) pendingIndex() string            { return k.internal() + ":pending" }
+func (k keySpace) pendingEpoch() string            { return k.internal() + ":pending-epoch" }
 
 func (k keySpace) fence(sessionID string) string {
 	if k.cluster {

@@ -119,11 +119,6 @@ func redirection(err error) (kind, target string) {
 	return fields[0], fields[2]
 }
 
-func (c *redigoCluster) LPush(ctx context.Context, key string, value []byte) error {
-	_, err := c.route(ctx, key, func(n *redigoRedis) (interface{}, error) { return nil, n.LPush(ctx, key, value) })
-	return err
-}
-
 func (c *redigoCluster) Eval(ctx context.Context, script string, keys []string, args ...interface{}) (interface{}, error) {
 	if len(keys) == 0 {
 		return nil, fmt.Errorf("redigoCluster routes by key: Eval needs one")

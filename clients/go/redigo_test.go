@@ -56,11 +56,6 @@ func (r *redigoRedis) do(ctx context.Context, cmd string, args ...interface{}) (
 	return redis.DoWithTimeout(conn, timeout, cmd, args...)
 }
 
-func (r *redigoRedis) LPush(ctx context.Context, key string, value []byte) error {
-	_, err := r.do(ctx, "LPUSH", key, value)
-	return err
-}
-
 func (r *redigoRedis) Eval(ctx context.Context, script string, keys []string, args ...interface{}) (interface{}, error) {
 	sum := sha1.Sum([]byte(script))
 	params := make([]interface{}, 0, 2+len(keys)+len(args))

@@ -9,11 +9,12 @@ import (
 // Redis is the few commands the client needs, so that the package pins no Redis client:
 // wrap the one the application already has (README.md has the go-redis/v9 adapter; the
 // tests have one for redigo). Implementations must honour ctx's deadline and
-// cancellation, and must be safe for concurrent use.
+// cancellation, and must be safe for concurrent use. (An LPush method that adapters
+// written for earlier versions have is no longer called: Save and Delete push with a
+// script.)
 type Redis interface {
-	// LPush pushes value onto the list at key (the broker queue).
-	LPush(ctx context.Context, key string, value []byte) error
-	// Eval runs a Lua script (EVAL, or EVALSHA with a fallback). Replies as the client
+	// Eval runs a Lua script: EVALSHA, then EVAL (which loads it) on NOSCRIPT, so that a
+	// script is sent once per server, and again after SCRIPT FLUSH or a restart. Replies as the client
 	// decodes them: bulk strings as string or []byte, integers as int64, arrays as
 	// []interface{}, nil bulk replies as nil.
 	Eval(ctx context.Context, script string, keys []string, args ...interface{}) (interface{}, error)

@@ -1,0 +1,42 @@
+-- Push one message onto the queue and record, per session it carries, the newest accepted
+-- request (docs/protocol.md, "Pending records"), atomically: a load that reads the record
+-- sees every request the queue holds, and no record exists for a message that was not pushed.
+--
+-- KEYS[1]      the queue (a list)
+-- KEYS[2]      the pending index: sorted set, session id -> record deadline (ms, server time)
+-- KEYS[3]      the pending epoch: a token that changes only when the broker lost its data
+-- KEYS[4..]    one pending record key per request in the message (<prefix>.cq:pending:<id>)
+-- ARGV[1]      the message, as LPUSH stores it
+-- ARGV[2]      the records' lifetime, ms
+-- ARGV[3]      a fresh random token, the epoch if the broker has none yet
+-- ARGV[4..]    five per record, in KEYS order: session id, seq, op ("save" | "delete"),
+--              request id, value (save: the stored value; delete: "")
+-- Returns the epoch.
+local ttl = tonumber(ARGV[2])
+local epoch = redis.call('GET', KEYS[3])
+if not epoch then
+  redis.call('SET', KEYS[3], ARGV[3])
+  epoch = ARGV[3]
+end
+local now = redis.call('TIME')
+local deadline = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) + ttl
+for i = 4, #KEYS do
+  local a = 4 + (i - 4) * 5
+  local seq, op = tonumber(ARGV[a + 1]), ARGV[a + 2]
+  local current = redis.call('HMGET', KEYS[i], 'seq', 'op')
+  local held = tonumber(current[1])
+  -- The newest request wins; at equal seq a delete wins over a save, as in the store.
+  if held == nil or seq > held or (seq == held and op == 'delete' and current[2] ~= 'delete') then
+    redis.call('DEL', KEYS[i])
+    if op == 'save' then
+      redis.call('HSET', KEYS[i], 'seq', ARGV[a + 1], 'op', op, 'req', ARGV[a + 3],
+        'value', ARGV[a + 4])
+    else
+      redis.call('HSET', KEYS[i], 'seq', ARGV[a + 1], 'op', op, 'req', ARGV[a + 3])
+    end
+    redis.call('PEXPIRE', KEYS[i], ttl)
+    redis.call('ZADD', KEYS[2], deadline, ARGV[a])
+  end
+end
+redis.call('LPUSH', KEYS[1], ARGV[1])
+return epoch

@@ -1,0 +1,464 @@
+package checkpointq
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/gomodule/redigo/redis"
+)
+
+// The Go store's behaviours in the default, fire-and-forget mode: every read right after a
+// write, by another replica, sees the write, whether the worker applied it yet or the queue
+// still holds it. Each runs twice: with the shared worker consuming (a real race between
+// the read and the worker), and with the requests held on a queue no worker reads, so that
+// only the pending records can answer, then delivered, after which the store must hold
+// exactly what the loads returned.
+
+// pendingMode is where a test's requests go until they are delivered.
+type pendingMode struct {
+	name  string
+	queue string // "checkpoints": the shared worker's; else held until deliver
+}
+
+var pendingModes = []pendingMode{{"worker consuming", "checkpoints"}, {"queue held", "held"}}
+
+// replicas are two clients of the shared deployment publishing to mode's queue: two
+// apiserver replicas, each with its own connections.
+func replicas(t *testing.T, mode pendingMode) (a, b *Client[Checkpoint]) {
+	queue := mode.queue
+	if queue != "checkpoints" {
+		queue = "held-" + strings.ReplaceAll(t.Name(), "/", "-")
+	}
+	return newClient[Checkpoint](t, Config{Queue: queue}), newClient[Checkpoint](t, Config{Queue: queue})
+}
+
+// deliver moves what c's queue holds to the worker's queue, oldest first, and waits until
+// the worker settled each of handles (applied or superseded).
+func deliver(t *testing.T, c *Client[Checkpoint], handles ...Handle) {
+	t.Helper()
+	if c.cfg.Queue != "checkpoints" {
+		for {
+			moved, err := env.broker.Do("RPOPLPUSH", c.cfg.Queue, "checkpoints")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if moved == nil {
+				break
+			}
+		}
+	}
+	for _, h := range handles {
+		if _, err := c.WaitDurable(background(t), h); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func mustSave(t *testing.T, c *Client[Checkpoint], cp *Checkpoint) Handle {
+	t.Helper()
+	h, err := c.SaveAsync(background(t), cp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return h
+}
+
+// stored reads id's checkpoint from the store itself, as the worker wrote it (nil: none).
+func stored(t *testing.T, server *redisServer, id string) *Checkpoint {
+	t.Helper()
+	value, err := redis.Bytes(server.Do("GET", DefaultPrefix+":"+id))
+	if errors.Is(err, redis.ErrNil) {
+		return nil
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	doc, err := decodeValue(value)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cp, err := DeserializeCheckpoint(doc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cp
+}
+
+func mustLoad(t *testing.T, c *Client[Checkpoint], id string) (*Checkpoint, int64) {
+	t.Helper()
+	cp, seq, err := c.LoadWithSeq(background(t), id)
+	if err != nil {
+		t.Fatalf("Load(%q): %v", id, err)
+	}
+	return cp, seq
+}
+
+func mustList(t *testing.T, c *Client[Checkpoint]) map[string]bool {
+	t.Helper()
+	ids, err := c.List(background(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	listed := map[string]bool{}
+	for _, id := range ids {
+		listed[id] = true
+	}
+	return listed
+}
+
+func TestAReplicaLoadsTheCheckpointAnotherJustSaved(t *testing.T) {
+	for _, mode := range pendingModes {
+		t.Run(mode.name, func(t *testing.T) {
+			// Given replica A saves a checkpoint, fire and forget
+			a, b := replicas(t, mode)
+			id := sessionID(t, "round-trip")
+			cp := sampleCheckpoint(id, 3, "hello <b>&</b>", "日本語 🎉")
+			h, err := a.SaveAsync(background(t), cp)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// When replica B loads it at once
+			got, seq := mustLoad(t, b, id)
+			// Then B has it, with a seq its next save sorts after
+			if got == nil || normalise(got) != normalise(cp) || seq < h.Seq {
+				t.Fatalf("Load = %+v, seq %d; want %+v, seq >= %d", got, seq, cp, h.Seq)
+			}
+			// And once applied, the store holds exactly that
+			deliver(t, a, h)
+			if s := stored(t, env.store, id); s == nil || normalise(s) != normalise(cp) {
+				t.Fatalf("stored %+v, want %+v", s, cp)
+			}
+			if got, _ := mustLoad(t, b, id); normalise(got) != normalise(cp) {
+				t.Fatalf("Load after apply = %+v", got)
+			}
+		})
+	}
+}
+
+func TestALoadRightAfterASaveHasTheHundredMostRecentMessages(t *testing.T) {
+	for _, mode := range pendingModes {
+		t.Run(mode.name, func(t *testing.T) {
+			a, b := replicas(t, mode)
+			id := sessionID(t, "cap")
+			var messages []string
+			for i := 0; i < 150; i++ {
+				messages = append(messages, fmt.Sprint("message ", i))
+			}
+			h := mustSave(t, a, sampleCheckpoint(id, 1, messages...))
+			check := func(when string, got *Checkpoint) {
+				t.Helper()
+				if got == nil || len(got.ConversationHistory) != 100 || got.ConversationHistory[0].Content != "message 50" ||
+					got.ConversationHistory[99].Content != "message 149" {
+					t.Fatalf("%s: %+v; want messages 50-149", when, got)
+				}
+			}
+			got, _ := mustLoad(t, b, id)
+			check("Load at once", got)
+			deliver(t, a, h)
+			check("stored", stored(t, env.store, id))
+		})
+	}
+}
+
+func TestADeletedSessionLeavesTheListAtOnce(t *testing.T) {
+	for _, mode := range pendingModes {
+		t.Run(mode.name, func(t *testing.T) {
+			// Given two sessions saved, fire and forget
+			a, b := replicas(t, mode)
+			ctx := background(t)
+			gone, kept := sessionID(t, "gone"), sessionID(t, "kept")
+			kh := mustSave(t, a, sampleCheckpoint(kept, 1, "hi"))
+			mustSave(t, a, sampleCheckpoint(gone, 1, "hi"))
+			if listed := mustList(t, b); !listed[gone] || !listed[kept] {
+				t.Fatalf("List after the saves lacks %q or %q", gone, kept)
+			}
+			// When one is deleted
+			dh, err := a.DeleteAsync(ctx, gone)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// Then the other replica neither lists nor loads it, before and after the apply
+			for _, when := range []string{"at once", "applied"} {
+				if when == "applied" {
+					deliver(t, a, kh, dh)
+					if s := stored(t, env.store, gone); s != nil {
+						t.Fatalf("store still holds the deleted session: %+v", s)
+					}
+				}
+				if listed := mustList(t, b); listed[gone] || !listed[kept] {
+					t.Fatalf("%s: List has %q: %v, has %q: %v", when, gone, listed[gone], kept, listed[kept])
+				}
+				if got, _ := mustLoad(t, b, gone); got != nil {
+					t.Fatalf("%s: Load of the deleted session = %+v", when, got)
+				}
+			}
+		})
+	}
+}
+
+func TestLoadBumpSaveTwiceKeepsBothBumps(t *testing.T) {
+	for _, mode := range pendingModes {
+		t.Run(mode.name, func(t *testing.T) {
+			// Given a saved session, and two replicas taking turns: load, bump, save
+			a, b := replicas(t, mode)
+			ctx := background(t)
+			id := sessionID(t, "bump")
+			mustSave(t, a, sampleCheckpoint(id, 1, "turn 1"))
+			var last Handle
+			for turn, c := range []*Client[Checkpoint]{b, a} {
+				cp, seq := mustLoad(t, c, id)
+				if cp == nil || cp.Version != int64(turn+1) {
+					t.Fatalf("turn %d: Load = %+v, want version %d", turn+2, cp, turn+1)
+				}
+				cp.Version++
+				cp.ConversationHistory = append(cp.ConversationHistory, ConversationMessage{Role: "user", Content: fmt.Sprint("turn ", turn+2)})
+				h, err := c.SaveAsync(ctx, cp)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if h.Seq <= seq {
+					t.Fatalf("turn %d: save seq %d does not sort after the loaded %d", turn+2, h.Seq, seq)
+				}
+				last = h
+			}
+			// Then both bumps land, and every turn with them
+			deliver(t, a, last)
+			for who, got := range map[string]*Checkpoint{"stored": stored(t, env.store, id), "loaded": func() *Checkpoint {
+				cp, _ := mustLoad(t, b, id)
+				return cp
+			}()} {
+				if got == nil || got.Version != 3 || len(got.ConversationHistory) != 3 || got.ConversationHistory[2].Content != "turn 3" {
+					t.Fatalf("%s: %+v; want version 3 with turns 1-3", who, got)
+				}
+			}
+		})
+	}
+}
+
+func TestAPendingDeleteHidesAStoredSession(t *testing.T) {
+	// Given a session the store holds
+	a, b := replicas(t, pendingMode{queue: "held"})
+	ctx := background(t)
+	id := sessionID(t, "stored")
+	h, err := newClient[Checkpoint](t, Config{}).SaveAsync(ctx, sampleCheckpoint(id, 4, "hi"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustWait(t, b, h, Applied)
+	// When a replica deletes it and the delete waits in the queue
+	del, err := a.DeleteAsync(ctx, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Then the other replica loads it as missing, at the delete's seq, and does not list it,
+	// while the store still holds it
+	if stored(t, env.store, id) == nil {
+		t.Fatal("the store lost the session before the delete was delivered")
+	}
+	if got, seq := mustLoad(t, b, id); got != nil || seq != del.Seq {
+		t.Fatalf("Load = %+v at seq %d; want nil at the delete's seq %d", got, seq, del.Seq)
+	}
+	if mustList(t, b)[id] {
+		t.Fatal("List shows a session whose delete is pending")
+	}
+	// And a save stamped after that load revives it, even before the delete is applied
+	again := sampleCheckpoint(id, 5, "again")
+	ah := mustSave(t, b, again)
+	if got, _ := mustLoad(t, a, id); got == nil || got.Version != 5 || !mustList(t, a)[id] {
+		t.Fatalf("Load after the new save = %+v", got)
+	}
+	deliver(t, a, del, ah)
+	if s := stored(t, env.store, id); s == nil || normalise(s) != normalise(again) {
+		t.Fatalf("stored %+v, want %+v", s, again)
+	}
+}
+
+func TestThePendingRecordIsTheDocumentedHash(t *testing.T) {
+	c := newClient[Checkpoint](t, Config{Queue: "held-" + t.Name()})
+	ctx := background(t)
+	id := sessionID(t, "rec")
+	h, err := c.SaveAsync(ctx, sampleCheckpoint(id, 2, "hi"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := DefaultPrefix + ".cq:pending:" + id
+	fields, err := redis.StringMap(env.broker.Do("HGETALL", key))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, _ := SerializeCheckpoint(sampleCheckpoint(id, 2, "hi"))
+	doc, err := decodeValue([]byte(fields["value"]))
+	if err != nil || string(doc) != string(want) || fields["seq"] != fmt.Sprint(h.Seq) || fields["op"] != "save" ||
+		fields["req"] != h.TaskID || len(fields) != 4 || !strings.HasPrefix(fields["value"], string(zstdMagic)) {
+		t.Fatalf("record %q = %q (value %s, %v)", key, fields, doc, err)
+	}
+	ttl, err := redis.Int64(env.broker.Do("PTTL", key))
+	month := (30 * 24 * time.Hour).Milliseconds()
+	if err != nil || ttl > month || ttl < month-60_000 {
+		t.Fatalf("PTTL %d, %v; want about 30 days", ttl, err)
+	}
+	deadline, err := redis.Int64(env.broker.Do("ZSCORE", DefaultPrefix+".cq:pending", id))
+	if err != nil || deadline < time.Now().UnixMilli()+month-60_000 {
+		t.Fatalf("index deadline %d, %v", deadline, err)
+	}
+	del, err := c.DeleteAsync(ctx, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fields, err = redis.StringMap(env.broker.Do("HGETALL", key))
+	if err != nil || len(fields) != 3 || fields["op"] != "delete" || fields["seq"] != fmt.Sprint(del.Seq) || fields["req"] != del.TaskID {
+		t.Fatalf("tombstone record = %q, %v", fields, err)
+	}
+	if n, err := redis.Int(env.broker.Do("LLEN", c.cfg.Queue)); n != 2 || err != nil {
+		t.Fatalf("queue holds %d, %v; want the 2 messages", n, err)
+	}
+}
+
+func TestPublishScriptIsTheProtocolsOwn(t *testing.T) {
+	shared, err := os.ReadFile("../../tasks/lua/publish.lua")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(shared) != publishScript {
+		t.Fatal("lua/publish.lua differs from tasks/lua/publish.lua: copy the file")
+	}
+}
+
+func TestALoadFailsClearlyWhenTheBrokerIsDown(t *testing.T) {
+	// Given a session in the store, and a broker that is down
+	id := sessionID(t, "s")
+	h, err := newClient[Checkpoint](t, Config{}).SaveAsync(background(t), sampleCheckpoint(id, 1, "hi"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	reader := newClient[Checkpoint](t, Config{Broker: newRedigo(closedAddr(t))})
+	mustWait(t, reader, h, Applied)
+	// When a replica loads or lists, then it fails saying why, rather than serve the store alone
+	ctx := background(t)
+	got, loadErr := reader.Load(ctx, id)
+	_, listErr := reader.List(ctx)
+	for call, err := range map[string]error{"Load": loadErr, "List": listErr} {
+		if !errors.Is(err, ErrBrokerUnavailable) || !strings.Contains(err.Error(), "pending records") {
+			t.Fatalf("%s: err = %v, want ErrBrokerUnavailable about the pending records", call, err)
+		}
+	}
+	if got != nil {
+		t.Fatalf("Load returned %+v with its error", got)
+	}
+}
+
+func TestABrokerThatLostItsDataIsCountedAndLoadsReadTheStore(t *testing.T) {
+	// Given a private broker and store, a session in the store and a newer save pending
+	broker, err := startRedis()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer broker.Stop()
+	store, err := startRedis()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Stop()
+	c := New[Checkpoint](Config{Broker: newRedigo(broker.Addr), Store: newRedigo(store.Addr)})
+	ctx := background(t)
+	old := sampleCheckpoint("s", 1, "applied")
+	doc, _ := SerializeCheckpoint(old)
+	if _, err := store.Do("SET", DefaultPrefix+":s", encoder.EncodeAll(doc, nil)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Save(ctx, sampleCheckpoint("s", 2, "pending")); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := mustLoad(t, c, "s"); got.Version != 2 || c.EpochChanges() != 0 {
+		t.Fatalf("Load = v%d, %d epoch changes; want v2, 0", got.Version, c.EpochChanges())
+	}
+	// When the broker loses its data (a restart without persistence)
+	if _, err := broker.Do("FLUSHALL"); err != nil {
+		t.Fatal(err)
+	}
+	// Then a load reads the store, and the loss is counted once, through the next publish
+	if got, _ := mustLoad(t, c, "s"); got.Version != 1 || c.EpochChanges() != 1 {
+		t.Fatalf("Load = v%d, %d epoch changes; want v1, 1", got.Version, c.EpochChanges())
+	}
+	if _, err := c.Save(ctx, sampleCheckpoint("s", 3, "after")); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := mustLoad(t, c, "s"); got.Version != 3 || c.EpochChanges() != 1 {
+		t.Fatalf("Load = v%d, %d epoch changes; want v3, 1", got.Version, c.EpochChanges())
+	}
+	// And a broker replaced under a live client is counted too
+	if _, err := broker.Do("SET", DefaultPrefix+".cq:pending-epoch", "another"); err != nil {
+		t.Fatal(err)
+	}
+	if _, _ = mustLoad(t, c, "s"); c.EpochChanges() != 2 {
+		t.Fatalf("%d epoch changes, want 2", c.EpochChanges())
+	}
+}
+
+func TestASaveTheWorkerWouldRefuseIsRefusedAtOnce(t *testing.T) {
+	held := &captureRedis{}
+	c := New[Checkpoint](Config{Broker: held, Store: held})
+	ctx := context.Background()
+	// Given 1.6 MB that does not compress, in one message
+	random := make([]byte, 1200*1024)
+	if _, err := rand.Read(random); err != nil {
+		t.Fatal(err)
+	}
+	big := sampleCheckpoint("big", 1, base64.StdEncoding.EncodeToString(random))
+	// When it is saved, then the save fails with the worker's reason, and nothing is sent
+	_, err := c.Save(ctx, big)
+	want := "conversationHistory: session big: even the most recent message alone does not fit the 1048576-byte stored-size budget"
+	if !errors.Is(err, ErrTooLarge) || !errors.Is(err, ErrInvalidInput) || !strings.HasSuffix(err.Error(), want) {
+		t.Fatalf("err = %v, want ErrTooLarge ending %q", err, want)
+	}
+	if n := len(held.messages()); n != 0 {
+		t.Fatalf("%d message(s) published", n)
+	}
+	// And a checkpoint with no history over the budget is refused alike
+	bloated := sampleCheckpoint("bloated", 1)
+	bloated.LastRunRef = base64.StdEncoding.EncodeToString(random)
+	if _, err := c.Save(ctx, bloated); !errors.Is(err, ErrTooLarge) {
+		t.Fatalf("err = %v, want ErrTooLarge", err)
+	}
+}
+
+func TestASaveOverTheBudgetKeepsTheMessagesTheStoreKeeps(t *testing.T) {
+	for _, mode := range pendingModes {
+		t.Run(mode.name, func(t *testing.T) {
+			// Given 40 messages of 60 KB of base64 noise (about 45 KB each compressed): 1.8 MB
+			a, b := replicas(t, mode)
+			id := sessionID(t, "budget")
+			var messages []string
+			for i := 0; i < 40; i++ {
+				random := make([]byte, 45*1024)
+				if _, err := rand.Read(random); err != nil {
+					t.Fatal(err)
+				}
+				messages = append(messages, fmt.Sprintf("%d %s", i, base64.StdEncoding.EncodeToString(random)))
+			}
+			// When it is saved and loaded at once
+			h := mustSave(t, a, sampleCheckpoint(id, 1, messages...))
+			loaded, _ := mustLoad(t, b, id)
+			// Then the load has the most recent messages that fit, and the store the same ones
+			deliver(t, a, h)
+			kept := stored(t, env.store, id)
+			if loaded == nil || kept == nil {
+				t.Fatalf("loaded %v, stored %v", loaded != nil, kept != nil)
+			}
+			if normalise(loaded) != normalise(kept) {
+				t.Fatalf("loaded %d messages, the store kept %d", len(loaded.ConversationHistory), len(kept.ConversationHistory))
+			}
+			n := len(kept.ConversationHistory)
+			if n < 15 || n > 30 || kept.ConversationHistory[n-1].Content != messages[39] {
+				t.Fatalf("kept %d messages ending %.10q, want the most recent ~22", n, kept.ConversationHistory[n-1].Content)
+			}
+		})
+	}
+}
