@@ -24,7 +24,7 @@ class InvalidCheckpoint(InvalidInput):
 
 
 class InvalidSessionId(InvalidInput):
-    """The session id is empty, too long or holds characters we refuse."""
+    """The session id is not a string, is empty, or has no UTF-8 form (a lone surrogate)."""
 
 
 class CheckpointTooLarge(InvalidInput):

@@ -1,11 +1,12 @@
 """Acceptance: the built wheel, installed into a clean venv, is ``checkpointq.*`` and nothing else.
 
 A user's project usually has its own ``tasks.py`` (Celery's layout), often a ``worker.py`` or
-``store.py``. Installed, checkpointq must import as ``checkpointq.store``, ``checkpointq.tasks``
-and ``checkpointq.worker`` only, and no process it starts may pick up the user's modules from
-the current directory. The wheel is built from this checkout and installed with its
-dependencies into a new venv, then ``up``, ``save --wait`` and ``show`` run in a directory
-whose ``tasks.py``, ``worker.py``, ``store.py`` and ``checkpointq.py`` fail loudly if imported.
+``store.py``. Installed, checkpointq must import as ``checkpointq`` (the public API),
+``checkpointq.store``, ``checkpointq.tasks`` and ``checkpointq.worker`` only, and no process it
+starts may pick up the user's modules from the current directory. The wheel is built from
+this checkout and installed with its dependencies into a new venv, then ``up``, ``save
+--wait`` and ``show`` run in a directory whose ``tasks.py``, ``worker.py``, ``store.py`` and
+``checkpointq.py`` fail loudly if imported.
 """
 
 from __future__ import annotations
@@ -84,10 +85,16 @@ def test_wheel_installs_only_the_checkpointq_namespace(installed: Path) -> None:
     assert not any((site / name).exists() for name in ("store", "tasks", "worker"))
     package = site / "checkpointq"
     assert sorted(p.name for p in package.iterdir() if p.name != "__pycache__") == [
+        "__init__.py",
+        "py.typed",
         "store",
         "tasks",
         "worker",
     ]
+    # The package root is the public API (checkpointq/__init__.py), with the installed version.
+    version = "import checkpointq; print(checkpointq.__version__, checkpointq.CheckpointClient)"
+    # (Run outside the checkout, whose own checkpointq/ would come first on sys.path.)
+    assert _run(installed / "python", "-c", version, cwd=site).startswith("0.1.0 <class")
     # The Lua scripts are package data, read at import time by the store.
     assert {p.name for p in (package / "store" / "lua").glob("*.lua")} >= {"save.lua"}
 
