@@ -1,10 +1,12 @@
-"""Every ``sh`` and ``python`` block of the README runs as written against `checkpointq up`.
+"""Every ``sh`` and ``python`` block of README.md and docs/ runs as written against `up`.
 
 One real `checkpointq up` (embedded Redis, Celery worker and beat) runs in a fresh directory
 whose ``.venv`` is this test's own environment, as in a checkout after ``./scripts/up``; each
-block then runs there in a process of its own, in README order (later blocks may read what
-earlier ones wrote). A block is skipped only when the line before its fence says why:
-``<!-- readme-test: not runnable (reason) -->``.
+block then runs there in a process of its own: the README's in order, then each page of
+docs/ in name order. Blocks share that one system, so each uses session ids of its own
+(`test_examples_use_session_ids_of_their_own`) and runs the same in any order. A block is
+skipped only when the line before its fence says why:
+``<!-- readme-test: not runnable (reason) -->`` (tests/support/markdown.py reads them).
 """
 
 from __future__ import annotations
@@ -14,60 +16,23 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests.cli.conftest import Cli
 from tests.cli.test_up import DEADLINE, running_up
+from tests.support.markdown import README, Block, all_blocks, blocks
 from tests.support.servers import wait_until
 
 pytestmark = pytest.mark.integration
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-_FENCE = re.compile(r"^```(\w*)\s*$")
-_SKIP = re.compile(r"^<!-- readme-test: not runnable \((.+)\) -->$")
 #: Seconds one block may run (a save --wait included).
 BLOCK_TIMEOUT = 60
 
-
-@dataclass(frozen=True)
-class Block:
-    line: int
-    lang: str
-    code: str
-    skip: str | None
-
-    def __str__(self) -> str:
-        return f"README.md:{self.line} ({self.lang})"
-
-
-def readme_blocks() -> list[Block]:
-    """The fenced blocks of the README in order, with their language and skip reason."""
-    lines = README.read_text().splitlines()
-    blocks: list[Block] = []
-    i = 0
-    while i < len(lines):
-        match = _FENCE.match(lines[i])
-        if match is None:
-            i += 1
-            continue
-        start = i
-        i += 1
-        body: list[str] = []
-        while not lines[i].startswith("```"):
-            body.append(lines[i])
-            i += 1
-        skip = _SKIP.match(lines[start - 1]) if start > 0 else None
-        blocks.append(
-            Block(start + 1, match.group(1), "\n".join(body), skip.group(1) if skip else None)
-        )
-        i += 1
-    return blocks
-
-
-RUNNABLE = [b for b in readme_blocks() if b.lang in ("sh", "python")]
+RUNNABLE = [b for b in all_blocks() if b.lang in ("sh", "python")]
+#: A session id a block writes, as a literal: a JSON ``"sessionId"`` or a ``session_id=``.
+_SESSION_ID = re.compile(r"""(?:["']sessionId["']\s*:|session_id\s*=)\s*["']([^"']+)["']""")
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +52,23 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cli]:
 
 
 def test_the_readme_marks_every_block_it_does_not_run_and_runs_the_rest() -> None:
-    assert [b for b in RUNNABLE if b.skip is None], "no runnable block found"
-    langs = {b.lang for b in readme_blocks()}
+    assert [b for b in RUNNABLE if b.skip is None and b.path == README], "no runnable block"
+    langs = {b.lang for b in blocks(README)}
     assert {"sh", "python"} <= langs
+
+
+def test_examples_use_session_ids_of_their_own() -> None:
+    # Given every runnable block, When the session ids each saves are collected,
+    # Then no two blocks save the same session, so their results do not depend on order.
+    owners: dict[str, Block] = {}
+    for block in RUNNABLE:
+        if block.skip is not None:
+            continue
+        for session_id in set(_SESSION_ID.findall(block.code)):
+            first = owners.get(session_id)
+            assert first is None, f"{block} reuses {session_id!r}, the session of {first}"
+            owners[session_id] = block
+    assert owners, "no block saves a session"
 
 
 def test_up_ends_its_start_up_with_where_and_how_to_reach_it(system: Cli) -> None:
