@@ -1,53 +1,12 @@
 """Every Redis key checkpointq touches is built here, from one configurable prefix.
 
-Single Redis (``KeySpace``; prefix ``agentorca-session``, the Go default)::
-
-    agentorca-session:<id>              the checkpoint (zstd JSON), exactly where Go keeps it
-    agentorca-session.cq:fence:<id>     hash: last applied seq, tombstone flag, deadline
-    agentorca-session.cq:deadlines      sorted set: session id -> deadline (ms since epoch)
-    agentorca-session.cq:sweep-lock     short lock held by one sweep at a time
-    agentorca-session.cq:dead-letters   stream of requests that could not be applied
-    agentorca-session.cq:refused:<req>  hash: why request <req> was dead-lettered, and where
-    agentorca-session.cq:events         stream of expired and dropped session ids
-    agentorca-session.cq:reconcile      hash: where the reconciliation pass stands
-    agentorca-session.cq:sweep-hint     sorted set, cluster only: slot -> earliest deadline
-    agentorca-session.cq:write-probe    written by workers and health checks: "can we write?"
-    agentorca-session.cq:staging:<rnd>  a large value on its way into save.lua (seconds at most)
-
-Deployments may share one Redis under different prefixes: a prefix holds no ``:`` and does
-not end in ``.cq`` (``check_prefix``), which keeps every pair of deployments' keys apart
-whatever their session ids are.
-
-A Go-style ``SCAN agentorca-session:*`` therefore sees exactly the checkpoints: our
-bookkeeping lives under ``<prefix>.cq:``, which that pattern cannot match. Keys are only ever
-concatenated, never used as patterns, so a session id holding ``*``, ``?``, ``[`` or ``:``
-names its own keys and nobody else's: data keys all start with ``<prefix>:`` and bookkeeping
-keys with ``<prefix>.cq:``, and within each family the id is the whole suffix.
-
-Redis Cluster (``ClusterKeySpace``): the data key is Go's, ``<prefix>:<id>``, so a Go
-``RedisStore`` shares the cluster with us. A script may only touch keys of one hash slot, so
-the session's bookkeeping goes where its data key hashes: every slot has a hash tag (the
-smallest decimal number whose CRC16 is that slot), and the fence and the slot's own deadline
-index carry the tag of the data key's slot::
-
-    agentorca-session:<id>                            the checkpoint, as on a single Redis
-    agentorca-session.cq:{<tag>}:fence:<id>           its fence hash
-    agentorca-session.cq:{<tag>}:slot-deadlines       deadline index of the slot's sessions
-    agentorca-session.cq:{<tag>}:staging:<rnd>        a staged value (see ``staging``)
-
-``<tag>`` is the tag of ``CLUSTER KEYSLOT agentorca-session:<id>`` (a session id holding a
-``{...}`` hash tag of its own moves its data key, and with it the rest, to that tag's slot).
-There are 16384 deadline indexes, one per slot; listing and sweeping walk them, node by node
-(see ``checkpointq.store.redis``). The sweep lock, the two streams and the sweep hint keep
-their single-Redis names (one key each, any slot).
-
-Bookkeeping keys name their slot's tag first, so Redis hashes that tag whatever the id
-holds: the prefix may not contain braces, the tag is digits, and the text between the first
-``{`` and the first ``}`` after it is always our tag.
-
-Before this layout, cluster deployments used ``{<shard tag>}`` data keys and
-``{<tag>}:deadlines`` indexes; ``RedisStore.migrate_sharded_layout`` moves such a deployment's
-sessions over (docs/scaling.md).
+Two decisions shape the layout. The checkpoint lives where Go keeps it (``<prefix>:<id>``),
+and all our bookkeeping lives under ``<prefix>.cq:``, so a Go-style ``SCAN <prefix>:*`` sees
+exactly the checkpoints. And keys are only ever concatenated, never used as patterns, with
+the id as the whole suffix, so a session id holding ``*``, ``:`` or ``{`` names its own keys
+and nobody else's. ``check_prefix`` keeps deployments that share a Redis apart the same way.
+``KeySpace`` is the single-Redis layout and ``ClusterKeySpace`` the Redis Cluster one; their
+docstrings list the keys (docs/scaling.md explains the cluster's).
 """
 
 from __future__ import annotations
@@ -111,7 +70,22 @@ class SessionKeys:
 
 @dataclass(frozen=True, slots=True)
 class KeySpace:
-    """Builds the keys of one single-Redis deployment from its prefix (the Go layout)."""
+    """Builds the keys of one single-Redis deployment from its prefix (the Go layout).
+
+    With the default prefix (Go's)::
+
+        agentorca-session:<id>              the checkpoint (zstd JSON), exactly where Go keeps it
+        agentorca-session.cq:fence:<id>     hash: last applied seq, tombstone flag, deadline
+        agentorca-session.cq:deadlines      sorted set: session id -> deadline (ms since epoch)
+        agentorca-session.cq:sweep-lock     short lock held by one sweep at a time
+        agentorca-session.cq:dead-letters   stream of requests that could not be applied
+        agentorca-session.cq:refused:<req>  hash: why request <req> was dead-lettered, and where
+        agentorca-session.cq:events         stream of expired and dropped session ids
+        agentorca-session.cq:reconcile      hash: where the reconciliation pass stands
+        agentorca-session.cq:sweep-hint     sorted set, cluster only: slot -> earliest deadline
+        agentorca-session.cq:write-probe    written by workers and health checks: "can we write?"
+        agentorca-session.cq:staging:<rnd>  a large value on its way into save.lua (seconds at most)
+    """
 
     prefix: str = DEFAULT_PREFIX
 
@@ -212,7 +186,22 @@ class KeySpace:
 
 @dataclass(frozen=True, slots=True)
 class ClusterKeySpace(KeySpace):
-    """The Redis Cluster layout: Go's data keys, each session's bookkeeping in its slot."""
+    """The Redis Cluster layout: Go's data keys, each session's bookkeeping in its slot.
+
+    A script may only touch keys of one slot, so a session's fence and index entry carry the
+    hash tag of its data key's slot (every slot has one: the smallest decimal number whose
+    CRC16 is that slot)::
+
+        agentorca-session:<id>                        the checkpoint, as on a single Redis
+        agentorca-session.cq:{<tag>}:fence:<id>       its fence hash
+        agentorca-session.cq:{<tag>}:slot-deadlines   deadline index of the slot's sessions
+        agentorca-session.cq:{<tag>}:staging:<rnd>    a staged value (see ``staging``)
+
+    The tag comes first in a bookkeeping key, the prefix holds no braces and the tag is
+    digits, so Redis hashes our tag whatever the id holds. There is one deadline index per
+    slot (16384), walked node by node; the sweep lock, the streams and the sweep hint keep
+    their single-Redis names.
+    """
 
     @property
     def shards(self) -> int:

@@ -1,25 +1,16 @@
-"""Continuous reconciliation of the deadline index with the values other writers leave.
+"""Continuous reconciliation: the deadline index catches up with what other writers did.
 
-A Go ``RedisStore`` writing directly to our keys updates no index: its sessions would be
-missing from ``list()`` and the sweep, its deletes would leave index entries (and a fence
-saying "live") behind, and its re-saves would leave a deadline that is not the value's. The
-sweep already refuses to delete a value it did not write last (``expire.lua``); this pass
-makes the index agree with the keyspace again, a bounded slice at a time:
-
-1. ``data``: ``SCAN <prefix>:* TYPE string`` on every primary, adopting keys the index lacks
-   and moving deadlines to the value's own;
-2. ``index``: ``ZSCAN`` of every deadline index, dropping the entries whose value is gone.
-
-Each session found goes through ``reconcile.lua``, atomically (one script call handles up to
-``SCRIPT_SESSIONS`` sessions of one slot; the calls are pipelined), so the pass is as safe
-beside concurrent saves and deletes as any write, on a single Redis and on a cluster alike.
-Where the pass stands is kept in Redis (``KeySpace.reconcile_cursor``) so that every beat
-tick, in whichever worker, carries on from the last one. Two passes running at once only
-repeat each other's idempotent work.
-
-SCAN guarantees that a key present for a whole pass is returned at least once; a key
-written during the pass may be missed and is found by the next one. So a foreign write is
-in the index, at the latest, one full pass after it happened.
+A Go ``RedisStore`` writing our keys directly updates no index, so its sessions would be
+missing from ``list()`` and the sweep, its deletes would leave entries (and a fence saying
+"live") behind, and its re-saves would leave a deadline that is not the value's. Each pass
+fixes that a bounded slice at a time, in two phases: ``data`` (``SCAN <prefix>:* TYPE
+string`` on every primary: adopt what the index lacks, move deadlines to the value's own)
+and ``index`` (``ZSCAN`` of every deadline index: drop entries whose value is gone). Every
+fix is one atomic ``reconcile.lua`` call per slot, so a pass is as safe beside concurrent
+writes as any save, and passes overlapping only repeat idempotent work. The cursor lives in
+Redis (``KeySpace.reconcile_cursor``), so each beat tick, in any worker, carries on. A key
+written during a pass may be missed by SCAN and is found by the next one: a foreign write
+is indexed at the latest one full pass later (docs/scaling.md has the measured pass time).
 """
 
 from __future__ import annotations

