@@ -13,15 +13,24 @@ the same rules:
 * **Redis Cluster** (``redis+cluster://h:7000,h2:7000`` or ``...?cluster=true``) and
   **Sentinel** (kombu's ``sentinel://h:26379;sentinel://h2:26379``) URLs, taken apart into
   what redis-py's clients are built from (``store/cluster.py``, ``worker/ops/broker_probe.py``).
+* **Checking**: ``check_url`` turns every malformed URL (a port that is not a number, a
+  database that is not one, an option redis-py cannot read) into one ``ValueError`` line at
+  start-up, instead of a traceback from deep inside redis-py or kombu on first use.
 * **Redaction**: ``redact_url`` for one URL, ``redact_urls`` for every URL inside a text (log
-  lines, error messages).
+  lines, error messages). A password may hold any character the authority can carry raw
+  (quotes, spaces, ``<``, ``@``: everything but ``/ ? #`` and line breaks, which end it), so
+  the text is searched for ``scheme://...@``, not for a well-formed URL.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+
+from redis.connection import parse_url
 
 #: Plain Redis: redis-py's spellings and kombu's for a unix socket.
 REDIS_SCHEMES = frozenset({"redis", "rediss", "unix", "redis+socket", "socket"})
@@ -39,7 +48,19 @@ _KOMBU_SOCKET_PREFIXES = ("redis+socket://", "socket://")
 #: passwords as well).
 URL_PATTERN = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]+")
 
+#: redis-py's reading of a URL (its options and their types); the library leaves it untyped.
+redis_py_parse_url: Callable[[str], dict[str, Any]] = parse_url
+
 _SECRET_QUERY = re.compile(r"(?i)((?:^|&)(?:password|sentinel_password|passwd)=)[^&]*")
+
+#: A ``;`` that starts the next of several URLs (not one inside a password).
+_NEXT_URL = re.compile(r";(?=\s*[a-zA-Z][a-zA-Z0-9+.-]*://)")
+#: The credentials of a URL inside a text: the scheme, then everything up to the last ``@``
+#: before the authority ends (``/``, ``?``, ``#`` or a line break), so that a raw password
+#: holding quotes, spaces or ``@`` is hidden whole. Over-matching only hides more.
+_TEXT_CREDENTIALS = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]*://)([^/?#\r\n]*)@")
+#: A secret query option inside a text, up to the next option, fragment or blank.
+_TEXT_SECRET_QUERY = re.compile(r"(?i)([?&](?:password|sentinel_password|passwd)=)[^&#\s]*")
 
 
 def scheme_of(url: str) -> str:
@@ -156,12 +177,13 @@ def redact_url(url: str) -> str:
     Several URLs joined by ``;`` (kombu's failover and Sentinel spelling) are redacted
     one by one.
     """
-    if ";" in url:
-        return ";".join(redact_url(part) for part in url.split(";"))
+    urls = _NEXT_URL.split(url)
+    if len(urls) > 1:
+        return ";".join(redact_url(part) for part in urls)
     try:
         parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable url>"
+    except ValueError:  # "[" in a password reads as a broken IPv6 host: hide as in a text
+        return redact_urls(url)
     query = _SECRET_QUERY.sub(r"\1***", parts.query)
     if parts.password is None and not parts.username:
         if query == parts.query:
@@ -188,4 +210,54 @@ def redact_urls(text: str) -> str:
     """``text`` with the password of every URL in it replaced (log lines, error messages)."""
     if "://" not in text:
         return text
-    return URL_PATTERN.sub(lambda match: redact_url(match.group(0)), text)
+    text = _TEXT_CREDENTIALS.sub(_hide_credentials, text)
+    return _TEXT_SECRET_QUERY.sub(r"\1***", text)
+
+
+def _hide_credentials(match: re.Match[str]) -> str:
+    scheme, auth = match.group(1), match.group(2)
+    user, colon, _ = auth.partition(":")
+    # As redact_url: a user and a password keep the user; a lone user is a token.
+    return f"{scheme}{user}:***@" if colon else f"{scheme}***@"
+
+
+def check_url(url: str) -> str:
+    """``url`` unchanged if every part of it can be read, else one ``ValueError`` line.
+
+    Checks what would otherwise fail on first use, as a traceback: the authority of each
+    ``;``-separated URL (IPv6 brackets, a port that is a number in range), a Redis database
+    path that is a number, redis-py's query options, and a cluster URL's seeds.
+
+    Raises:
+        ValueError: naming the URL (redacted) and what is wrong with it.
+    """
+    try:
+        for part in url.split(";"):
+            _check_one(part.strip())
+    except ValueError as exc:
+        raise ValueError(f"{redact_url(url)} is malformed: {exc}") from None
+    return url
+
+
+def _check_one(url: str) -> None:
+    parts = urlsplit(url)  # raises on broken IPv6 brackets
+    if "," not in parts.netloc:  # a cluster's seeds are checked by cluster_seeds below
+        try:
+            _ = parts.port  # reading it checks it
+        except ValueError:
+            port = parts.netloc.rpartition("@")[2].rpartition(":")[2]
+            raise ValueError(f"port {port!r} is not a number from 0 to 65535") from None
+    scheme = parts.scheme.lower()
+    if scheme in CLUSTER_SCHEMES or is_cluster_url(url):
+        cluster_seeds(url)
+        return
+    if scheme in SENTINEL_SCHEMES:
+        database = parts.path.strip("/")
+    elif scheme in ("redis", "rediss"):
+        database = unquote(parts.path).strip("/")
+    else:
+        database = ""
+    if database and not database.isdigit():
+        raise ValueError(f"database {database!r} is not a number")
+    if scheme in REDIS_SCHEMES:
+        redis_py_parse_url(redis_py_url(url))  # its query options: "Invalid value for 'x'"

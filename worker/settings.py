@@ -16,6 +16,7 @@ from checkpointq.store.base import StoreOptions
 from checkpointq.store.keys import DEFAULT_PREFIX, check_prefix
 from checkpointq.store.urls import (
     SUPPORTED_BROKER_SCHEMES,
+    check_url,
     is_cluster_url,
     redact_url,
     scheme_of,
@@ -190,6 +191,11 @@ class Settings(BaseSettings):
         """Whether ``broker_url`` is that of a running ``checkpointq up``'s embedded Redis
         (none was configured)."""
         return self._embedded
+
+    @field_validator("broker_url", "store_url", "beat_url")
+    @classmethod
+    def _url_is_readable(cls, url: str | None) -> str | None:
+        return None if url is None else check_url(url)
 
     @field_validator("key_prefix")
     @classmethod

@@ -115,6 +115,35 @@ def test_an_unsupported_broker_scheme_is_named_with_the_accepted_ones(
     assert SECRET not in result.output
 
 
+@pytest.mark.parametrize(
+    ("url", "named"),
+    [
+        (f"redis://:{SECRET}@127.0.0.1:abc/0", "port 'abc'"),
+        (f"redis://:{SECRET}@127.0.0.1:99999/0", "port '99999'"),
+        (f"redis://:{SECRET}@127.0.0.1:6379/zero", "database 'zero'"),
+        (f"redis://:{SECRET}@127.0.0.1:6379/0?socket_timeout=soon", "'socket_timeout'"),
+        (f"redis://:{SECRET}@[::1:6379/0", "IPv6"),
+        (f"amqp://u:{SECRET}@mq:port//", "port 'port'"),
+    ],
+)
+def test_a_malformed_broker_url_is_one_line_naming_what_is_wrong(
+    cli_offline: Cli, url: str, named: str
+) -> None:
+    # Given a broker URL that cannot be read (a port that is not a number printed a
+    # 48-line traceback from redis-py)
+    cli_offline.env["CHECKPOINTQ_BROKER_URL"] = url
+    cli_offline.env["CHECKPOINTQ_STORE_URL"] = "redis://127.0.0.1:1/0"
+
+    # When a real process starts with it
+    completed = cli_offline.run("stats")
+
+    # Then it fails in one line that says what is wrong, without the password
+    assert completed.returncode == 1
+    assert len(completed.stderr.splitlines()) == 1, completed.stderr
+    assert "CHECKPOINTQ_BROKER_URL" in completed.stderr and named in completed.stderr
+    assert SECRET not in completed.stderr
+
+
 def test_version_prints_the_installed_version(cli_offline: Cli) -> None:
     from importlib.metadata import version
 
