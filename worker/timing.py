@@ -1,25 +1,18 @@
-"""The ``eta`` and ``expires`` headers a producer may set: what the worker does with them.
+"""The ``eta`` and ``expires`` headers a producer may set: decided once, at receipt.
 
-Celery honours both by itself, in ways that break our promise that nothing vanishes and
-that the worker's memory stays bounded:
+Celery honours both in ways that would break two promises, that nothing vanishes and that
+the worker's memory stays bounded, so the worker decides first (``refusal``):
 
-* ``eta``: the worker holds the message (unacknowledged) until then. On Redis, a message
-  held longer than the visibility timeout is handed out again, and held again, every
-  timeout: with an ``eta`` a day ahead and a 10 s timeout, a worker grew from 180 to 835 MB
-  in 70 s (#11). An ``eta`` further ahead than the visibility timeout is therefore refused:
-  dead-lettered as ``invalid_input`` with the reason. ``dlq replay`` sends the request again
-  without its ``eta``. (We do not clamp: running a request earlier than its producer asked
-  is a decision for a person, and the dead letter says exactly what arrived.)
-* ``expires``: Celery discards an expired message with one INFO line. We decide at receipt
-  instead: a message already expired is dead-lettered (kind ``expired``), so an operator
-  sees it and may replay it; a message not yet expired runs, however late (the header is
-  dropped, so Celery cannot discard it silently later: applying a late request is
-  harmless, since writes are fenced by ``seq``).
+* an ``eta`` further ahead than the visibility timeout is dead-lettered (``invalid_input``):
+  on Redis a message held that long is handed out again, and held again, every timeout.
+  We do not clamp it: running a request earlier than its producer asked is a person's call,
+  and the dead letter shows what arrived (``dlq replay`` resends it without the ``eta``);
+* a request already expired is dead-lettered (``expired``), where Celery would drop it with
+  one log line; one not yet expired runs, however late, with the header dropped
+  (``forget_expiry``): a late request is harmless, since writes are fenced by ``seq``.
 
-Only protocol 2 headers are read (what every current producer sends; docs/protocol.md), and
-only on producers' requests (save, delete, refresh, apply_batch). Beat's housekeeping tasks
-(the sweep, reconciliation) carry an ``expires`` of one interval on purpose: a lapsed one is
-redundant, the next does its work, so Celery lets it lapse as before.
+Only producers' requests are judged (protocol 2 headers; docs/protocol.md). Beat's sweep and
+reconciliation keep their one-interval ``expires``: a lapsed one is redundant.
 """
 
 from __future__ import annotations

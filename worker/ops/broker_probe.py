@@ -1,27 +1,20 @@
 """Looking at the broker from outside: does it answer, and what waits in the queue.
 
-``checkpointq health``, ``top``/``stats`` and the worker's scrape-time gauges need the same
-two answers from whichever broker is configured, without consuming anything:
+``checkpointq health``, ``top``/``stats`` and the worker's scrape-time gauges ask every kind
+of broker the same two questions, without consuming anything:
 
-* **Redis** (``redis://``, ``unix://``, ...): the queue is a list that kombu LPUSHes and
-  BRPOPs, so LLEN is the depth and LINDEX of the far end (-1) is the next request to be
-  delivered, the oldest; its ``seq`` says when it was made.
-* **Redis Sentinel**: the sentinels name the master (redis-py's ``Sentinel``, with the
-  master name and the sentinels' password from the settings, as kombu does), then the same
-  two commands on it.
-* **RabbitMQ**: a kombu connection and a *passive* ``queue_declare``, whose reply carries
-  the ready messages (``message_count``; those held unacknowledged by workers are not
-  counted, as on Redis, where they sit in kombu's ``unacked`` hash). AMQP cannot show a
-  message without taking it (``basic_get`` then a requeue would mark it redelivered and
-  may reorder the queue), so the oldest request's age is reported as unknown.
+* **Redis**, and **Sentinel** once the sentinels name the master (as kombu asks them): the
+  queue is the list kombu LPUSHes and BRPOPs, so LLEN is the depth and LINDEX -1 the oldest
+  request, whose ``seq`` says when it was made.
+* **RabbitMQ**: a *passive* ``queue_declare``, whose reply counts the ready messages. AMQP
+  cannot show a message without taking it (a ``basic_get`` and requeue would mark it
+  redelivered and may reorder the queue), so the oldest request's age is unknown there.
 
-Every probe is bounded: sockets time out after ``timeout`` seconds and nothing is retried
-with a pause (redis-py's Sentinel client and kombu's ``ensure_connection`` both back off by
-default), so a health check answers within a Kubernetes probe's few seconds. With several
-sentinels (or failover AMQP URLs), the budget is shared between them.
-
-Failures surface as ``BrokerUnavailable`` whose message names the broker by its redacted
-URL: no password ever reaches a health line, a CLI error or a log.
+In both, messages held unacknowledged by workers are not counted. Every probe is bounded:
+sockets time out after ``timeout`` seconds, shared among several sentinels or AMQP URLs, and
+nothing retries with a pause (redis-py's Sentinel and kombu's ``ensure_connection`` back off
+by default), so a health check answers within a Kubernetes probe's few seconds. Failures are
+``BrokerUnavailable`` naming the broker by its redacted URL.
 """
 
 from __future__ import annotations

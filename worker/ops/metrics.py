@@ -1,24 +1,18 @@
-"""Prometheus metrics of a worker, correct under the prefork pool.
+"""Prometheus metrics of a worker, counted once each under the prefork pool.
 
-Counters and histograms are kept in prometheus-client's *multiprocess mode*: every process
-(the main one, which dead-letters what the consumer refuses, and each pool child, which runs
-the tasks) writes its own memory-mapped file under a directory the worker creates fresh at
-start-up (``PROMETHEUS_MULTIPROC_DIR``) and removes at shutdown. The main process serves
-``/metrics`` on ``CHECKPOINTQ_METRICS_PORT`` and sums the files on every scrape, so a
-request is counted once, by the process that handled it, whichever that was; a child that
-exits leaves its file behind (its counts stay in the sums) and a child that replaces it
-adds to the totals. A fresh directory per start means a restarted worker starts from zero,
-which Prometheus's ``rate()`` handles as a counter reset, instead of adding a previous run's
-counts a second time.
+Counters and histograms use prometheus-client's *multiprocess mode*: every process (the
+main one, which dead-letters what the consumer refuses, and each pool child, which runs the
+tasks) writes its own memory-mapped file in a directory the worker creates fresh at start-up
+(``PROMETHEUS_MULTIPROC_DIR``) and removes at shutdown, and the main process's ``/metrics``
+sums the files on each scrape. A request is counted by the process that handled it; an
+exited child's file stays in the sums. The fresh directory makes a restarted worker start
+from zero, which ``rate()`` reads as a counter reset, instead of counting a previous run twice.
 
-Gauges that describe the broker and the store (queue depth, dead-letter depth, sessions)
-are not kept by any process: ``RedisGauges`` reads them at scrape time, in the main
-process, with O(1) or O(log n) reads: the queue's depth through ``worker/ops/broker_probe.py``
-(LLEN on Redis and Sentinel, a passive queue declare on RabbitMQ), XLEN and ZCOUNT on the
-store. Nothing connects at start-up: a broker or store that is down when the worker starts
-shows as ``checkpointq_redis_up 0`` on the scrapes, instead of stopping the worker.
-
-The metric names, labels and meanings are listed in the README ("Metrics").
+Gauges of the broker and the store (queue depth, dead letters, sessions) belong to no
+process: ``RedisGauges`` reads them at scrape time with O(1) or O(log n) reads
+(``worker/ops/broker_probe.py`` for the queue, XLEN and ZCOUNT on the store). Nothing
+connects at start-up, so a server that is down shows as ``checkpointq_redis_up 0`` instead
+of stopping the worker. The metrics are listed in the README ("Metrics").
 """
 
 from __future__ import annotations

@@ -1,26 +1,18 @@
 """``checkpointq top`` and ``checkpointq stats``: what the system is doing, from Redis alone.
 
-Where the numbers come from, and why:
+Each figure comes from the cheapest place that knows it:
 
-* queue depth and the oldest queued request's age: from the broker, whatever its kind
-  (``worker/ops/broker_probe.py``: LLEN and LINDEX of the list's far end on Redis and Sentinel,
-  whose ``seq`` says when it was made; a passive queue declare on RabbitMQ, which cannot
-  show the oldest message without consuming it, so its age is "unknown" there);
-* dead-letter depth (XLEN), sessions (ZCOUNT of the deadline index), events (XLEN): read
-  directly from the store, each O(1) or O(log n);
-* the next sweep: RedBeat's schedule in Redis (``health.next_sweep``);
-* whether the store accepts writes: one probe write (``checkpointq.store.probe``), the one
-  ``health`` and the workers' backpressure make. A store out of memory or read-only still
-  answers every read above, while the workers have paused and the queue grows; this line
-  says why;
-* throughput, lag and dead letters by reason: the workers' heartbeats. Every worker already
-  writes a heartbeat every few seconds (``worker/ops/health.py``) carrying its totals so far
-  (summed over its pool processes from the metrics files), so ``top`` costs the workers
-  nothing per request: no extra Redis command per task (a per-request HINCRBY would add a
-  round trip to every save), and no need to reach each worker's metrics port (which ``top``
-  could not even find in a fleet). Throughput is the difference between two heartbeats of
-  the same worker over their own timestamps, so clocks never need to agree. The price is
-  resolution: rates move in steps of one heartbeat interval (5 s by default).
+* queue depth and the oldest request's age: the broker (``worker/ops/broker_probe.py``);
+* dead letters (XLEN), sessions (ZCOUNT of the deadline index), events: the store, each
+  O(1) or O(log n); the next sweep: RedBeat's schedule (``health.next_sweep``);
+* whether the store accepts writes: the one probe write ``health`` and backpressure make.
+  A store out of memory or read-only still answers every read above while the workers
+  pause and the queue grows; this line says why;
+* throughput, lag and dead letters by reason: the heartbeats (``worker/ops/health.py``),
+  which carry each worker's totals so far. So ``top`` costs the workers nothing per request
+  (no extra Redis command per task) and needs no worker's metrics port, and rates are the
+  difference between two heartbeats of one worker over its own timestamps, so clocks need
+  not agree. The price: rates move in steps of one heartbeat (5 s by default).
 """
 
 from __future__ import annotations
