@@ -31,7 +31,7 @@ from redis.cluster import RedisCluster
 from redis.commands.core import Script
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS
 
-from checkpointq.store import probe
+from checkpointq.store import probe, redis_hooks
 from checkpointq.store.base import (
     BatchOp,
     BatchResult,
@@ -452,7 +452,7 @@ class RedisStore(CheckpointStore):
         the scripts are loaded and only those calls (with their staging SETs) sent again,
         in order; the calls that ran stand, each fenced as alone.
         """
-        replies = _round_trip(self.client, commands)
+        replies = redis_hooks.round_trip(self.client, commands)
         missing = [
             i for i, reply in enumerate(replies) if isinstance(reply, redis_errors.NoScriptError)
         ]
@@ -460,7 +460,7 @@ class RedisStore(CheckpointStore):
             for script in (self.scripts.save, self.scripts.delete):
                 self.client.script_load(script.script)
             again = sorted({*missing, *(i - 1 for i in missing if i - 1 in staged)})
-            resent = _round_trip(self.client, [commands[i] for i in again])
+            resent = redis_hooks.round_trip(self.client, [commands[i] for i in again])
             for i, reply in zip(again, resent, strict=True):
                 replies[i] = reply
         for reply in replies:
@@ -955,38 +955,6 @@ class RedisStore(CheckpointStore):
                 if node.redis_connection is not None:
                     node.redis_connection.connection_pool.disconnect()
         self.client.close()
-
-
-def _round_trip(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
-    """Send ``commands`` in one write down one pooled connection of ``client`` and read every
-    reply, an error reply as its exception in its place (so the connection stays in step).
-
-    Connection errors are retried by the client's retry policy, which sends them all again.
-    """
-    pool = client.connection_pool
-    # A client made with single_connection_client keeps one connection for every command.
-    own: Any = getattr(client, "connection", None)
-    conn: Any = own or pool.get_connection()
-
-    def send() -> list[Any]:
-        conn.send_packed_command(conn.pack_commands(commands))
-        replies: list[Any] = []
-        for _ in commands:
-            try:
-                replies.append(conn.read_response())
-            except redis_errors.ResponseError as exc:
-                replies.append(exc)
-        return replies
-
-    try:
-        replies: list[Any] = conn.retry.call_with_retry(send, lambda _error: conn.disconnect())
-        return replies
-    except BaseException:
-        conn.disconnect()
-        raise
-    finally:
-        if own is None:
-            pool.release(conn)
 
 
 def _text(value: bytes | None) -> str:

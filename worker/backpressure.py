@@ -20,7 +20,7 @@ adds them back. Meanwhile:
   the store refuses writes is rejected with requeue (``tasks/checkpoints.py``), never
   acknowledged;
 * a refusal in this process that finds the store down (a dead letter that could not be
-  written, ``worker/consumer.py`` and ``worker/transport.py``) trips the gate at once with
+  written, ``worker/consumer.py`` and ``worker/hooks/kombu.py``) trips the gate at once with
   ``trip()``, without waiting for the next probe.
 
 A broker reconnection restarts the consumer's steps: the new gate starts open and probes at

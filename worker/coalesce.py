@@ -70,6 +70,7 @@ from kombu.exceptions import ContentDisallowed, DecodeError
 from checkpointq.tasks import messages
 from checkpointq.tasks.coalesced import apply_requests
 from checkpointq.worker.consumer import forget_locally
+from checkpointq.worker.hooks import kombu as kombu_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -222,9 +223,8 @@ class Coalescer:
         if not applied:
             return
         channel = applied[0].message.channel
-        qos: Any = getattr(channel, "qos", None)
-        remove = getattr(qos, "_remove_from_indices", None)
-        if remove is None or any(p.message.channel is not channel for p in applied):
+        qos = kombu_hooks.unacked_indices(channel)
+        if qos is None or any(p.message.channel is not channel for p in applied):
             for pending in applied:
                 # Celery's ack promise, as a Request calls it: logs instead of raising.
                 pending.ack(logger, self.consumer.connection_errors)
@@ -232,7 +232,8 @@ class Coalescer:
         tags = [p.message.delivery_tag for p in applied]
         try:
             with qos.pipe_or_acquire() as pipe:
-                # What ``remove`` does for one tag (the pinned-kombu test covers it), at once.
+                # What ``QoS._remove_from_indices`` does for one tag (the pinned-kombu test
+                # covers it), for every tag at once.
                 pipe.zrem(qos.unacked_index_key, *tags).hdel(qos.unacked_key, *tags).execute()
         except (*self.consumer.connection_errors, *self.consumer.channel_errors) as exc:
             logger.error("could not acknowledge %d applied requests: %s", len(tags), exc)
@@ -240,8 +241,7 @@ class Coalescer:
                 forget_locally(channel, tag)
             return
         for pending, tag in zip(applied, tags, strict=True):
-            qos._quick_ack(tag)
-            pending.message._state = "ACK"
+            kombu_hooks.settled_as_acked(qos, pending.message, tag)
 
 
 def _body(message: Any) -> bytes:

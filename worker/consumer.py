@@ -30,7 +30,8 @@ from checkpointq.store.errors import StoreUnavailable
 from checkpointq.tasks import messages, observers, runtime
 from checkpointq.tasks.dead_letters import Reason
 from checkpointq.tasks.refusals import refuse
-from checkpointq.worker import backpressure, timing, transport
+from checkpointq.worker import backpressure, timing
+from checkpointq.worker.hooks import kombu as kombu_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -124,9 +125,7 @@ def forget_locally(channel: Any, tag: Any) -> None:
     stays, so the visibility timeout redelivers the message. Other transports have no such
     bookkeeping, and then this does nothing.
     """
-    quick_ack = getattr(getattr(channel, "qos", None), "_quick_ack", None)
-    if quick_ack is not None:
-        quick_ack(tag)
+    kombu_hooks.forget_locally(channel, tag)
 
 
 def _release_slot_when_broker_lost(
@@ -194,7 +193,7 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Items that are not Celery messages at all never reach this class: kombu decodes
         # them in its Redis reader, which must dead-letter them rather than crash the worker.
-        transport.install()
+        kombu_hooks.install()
         super().__init__(*args, **kwargs)
 
     def _record(

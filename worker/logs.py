@@ -20,9 +20,9 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from celery import signals
-from celery._state import get_current_task
 
 from checkpointq.store.urls import redact_urls
+from checkpointq.worker.hooks import celery as celery_hooks
 
 #: Attributes callers may attach with ``extra=`` that the JSON format shows as fields.
 STRUCTURED_FIELDS = (
@@ -63,7 +63,7 @@ class JsonFormatter(logging.Formatter):
             "process": record.process,
             "message": redact_urls(record.getMessage()),
         }
-        task = get_current_task()
+        task = celery_hooks.current_task()
         if task is not None and task.request.id is not None:
             line["task"] = task.name
             line["task_id"] = task.request.id

@@ -8,7 +8,7 @@ bound, and those two round trips per message were most of its time (profile in
 prefetch window and records each message with what kombu would write (same keys, tag,
 ``[message, exchange, routing key]``, the worker's ``time()`` as the score), so kombu's own
 restore (visibility timeout, shutdown) works on them unchanged; the worker then delivers
-them without a second write (``worker/transport.py``).
+them without a second write (``worker/hooks/kombu.py``).
 
 The script is sent where kombu sends its BRPOP, on the channel's polled connection, and its
 reply read by the same reader when the event loop sees it: the main process never waits on
@@ -28,6 +28,8 @@ from time import time
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
+
+from checkpointq.worker.hooks import kombu as kombu_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -131,10 +133,7 @@ def byte_room(channel: Any) -> int | None:
     budget = channel.connection.client.transport_options.get(MAX_HELD_BYTES_OPTION)
     if not budget:
         return None
-    qos = channel.qos
-    dirty = qos._dirty
-    held = sum(len(m.body or b"") for tag, m in qos._delivered.items() if tag not in dirty)
-    return int(budget) - held
+    return int(budget) - kombu_hooks.held_body_bytes(channel.qos)
 
 
 def request(
@@ -144,7 +143,11 @@ def request(
     the EVALSHA command that makes it (at most ``limit`` messages, ``budget`` bytes past
     the first)."""
     names = [queue for _ in channel.priority_steps for queue in queues]
-    keys = [channel._q_for_pri(queue, pri) for pri in channel.priority_steps for queue in queues]
+    keys = [
+        kombu_hooks.queue_key(channel, queue, pri)
+        for pri in channel.priority_steps
+        for queue in queues
+    ]
     encoded = [key.encode() if isinstance(key, str) else key for key in keys]
     command = [
         "EVALSHA",

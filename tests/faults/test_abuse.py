@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kombu.transport import redis as kombu_redis
 
-from checkpointq.worker import transport
+from checkpointq.worker.hooks import kombu as kombu_hooks
 from tests.faults.harness import (
     DELETE,
     SAVE,
@@ -37,10 +37,10 @@ from tests.faults.harness import (
 from tests.support.servers import RedisServer, wait_until
 
 REFRESH = "checkpoint.refresh"
-#: sha256 of kombu 5.7.0's ``Channel._brpop_read`` source, which worker/transport.py mirrors.
+#: sha256 of kombu 5.7.0's ``Channel._brpop_read`` source, which worker/hooks/kombu.py mirrors.
 KOMBU_BRPOP_READ_SHA256 = "c42518699709f2df90f55a048fe6346612ae5527e5c4a6819f2c0920dc62088f"
 #: sha256 of the other kombu 5.7.0 sources the reserve path mirrors: the virtual channel's
-#: ``basic_consume`` (its delivery callback, worker/transport.py), the Redis ``QoS.append``
+#: ``basic_consume`` (its delivery callback, worker/hooks/kombu.py), the Redis ``QoS.append``
 #: (what worker/lua/reserve.lua records), ``Channel._brpop_start`` (the order of the
 #: queues it reads, worker/reserve.py) and the Redis ``QoS._remove_from_indices`` (the acks
 #: of a coalesced group, worker/coalesce.py).
@@ -333,9 +333,9 @@ def test_malformed_queue_item_is_dead_lettered_and_worker_survives(
 
 
 def test_guarded_reader_still_mirrors_the_pinned_kombu() -> None:
-    # worker/transport.py copies kombu 5.7's Channel._brpop_read around its guard. If an
+    # worker/hooks/kombu.py copies kombu 5.7's Channel._brpop_read around its guard. If an
     # upgrade changes kombu's reader, this fails: re-read it and update the copy.
-    source = inspect.getsource(transport._KOMBU_BRPOP_READ)
+    source = inspect.getsource(kombu_hooks._KOMBU_BRPOP_READ)
     assert hashlib.sha256(source.encode()).hexdigest() == KOMBU_BRPOP_READ_SHA256
 
 
@@ -344,9 +344,9 @@ def test_reserve_path_still_mirrors_the_pinned_kombu() -> None:
     # messages as these kombu 5.7 functions do. If an upgrade changes one, this fails:
     # re-read it and update the copy.
     mirrored = {
-        "virtual.Channel.basic_consume": transport._KOMBU_VIRTUAL_BASIC_CONSUME,
+        "virtual.Channel.basic_consume": kombu_hooks._KOMBU_VIRTUAL_BASIC_CONSUME,
         "redis.QoS.append": kombu_redis.QoS.append,
-        "redis.Channel._brpop_start": transport._KOMBU_BRPOP_START,
+        "redis.Channel._brpop_start": kombu_hooks._KOMBU_BRPOP_START,
         "redis.QoS._remove_from_indices": kombu_redis.QoS._remove_from_indices,
     }
     digests = {

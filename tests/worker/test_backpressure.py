@@ -18,8 +18,9 @@ from checkpointq.store.memory import InMemoryStore
 from checkpointq.tasks import runtime
 from checkpointq.tasks.dead_letters import DeadLetters
 from checkpointq.tasks.runtime import Runtime
-from checkpointq.worker import backpressure, transport
+from checkpointq.worker import backpressure
 from checkpointq.worker.backpressure import StoreGate
+from checkpointq.worker.hooks import kombu as kombu_hooks
 
 # kombu's hints are partial (untyped functions): its classes are used as Any here.
 Connection: Any = connection.Connection
@@ -113,7 +114,7 @@ def test_a_malformed_item_whose_dead_letter_cannot_be_written_goes_back_to_the_q
     channel = SimpleNamespace(conn_or_acquire=conn_or_acquire)
     try:
         # When the reader refuses an item that is not a Celery message
-        transport._refuse(channel, b"checkpoints", b"not json", "checkpoints", ValueError("x"))
+        kombu_hooks._refuse(channel, b"checkpoints", b"not json", "checkpoints", ValueError("x"))
     finally:
         runtime.reset()
     # Then the item is back in the queue, and the worker pauses

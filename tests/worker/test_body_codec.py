@@ -1,4 +1,4 @@
-"""The worker's base64 codec for message bodies (worker/transport.py) decodes as kombu's.
+"""The worker's base64 codec for message bodies (worker/hooks/kombu.py) decodes as kombu's.
 
 It decodes strict base64 with pybase64 and leaves everything else to kombu's codec; the
 bytes it returns, and the texts it refuses, must be exactly kombu's.
@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
-from checkpointq.worker import transport
+from checkpointq.worker.hooks import kombu as kombu_hooks
 
 KOMBU: Any = virtual.base.Base64()
-OURS: Any = transport._Base64()
+OURS: Any = kombu_hooks._Base64()
 
 #: Base64's alphabet and padding, with what a hostile producer might mix in.
 TEXT = st.text(
@@ -58,7 +58,7 @@ def test_the_worker_reader_installs_the_codec() -> None:
     channel: Any = kombu_redis.Channel
     saved = channel._brpop_read, channel._brpop_start, channel.basic_consume, channel.codecs
     try:
-        transport.install()
-        assert isinstance(channel.codecs["base64"], transport._Base64)
+        kombu_hooks.install()
+        assert isinstance(channel.codecs["base64"], kombu_hooks._Base64)
     finally:
         channel._brpop_read, channel._brpop_start, channel.basic_consume, channel.codecs = saved

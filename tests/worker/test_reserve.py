@@ -21,7 +21,8 @@ import redis
 from kombu import connection, entity, messaging
 from kombu.transport import redis as kombu_redis
 
-from checkpointq.worker import reserve, transport
+from checkpointq.worker import reserve
+from checkpointq.worker.hooks import kombu as kombu_hooks
 from tests.support.servers import RedisServer, wait_until
 
 # kombu's hints are partial (untyped functions): its classes are used as Any here.
@@ -37,7 +38,7 @@ def guarded() -> Iterator[None]:
     """The worker's reader in kombu's Redis channels for this test, kombu's own after."""
     channel: Any = kombu_redis.Channel
     saved = channel._brpop_read, channel.basic_consume
-    transport.install()
+    kombu_hooks.install()
     yield
     channel._brpop_read, channel.basic_consume = saved
 
@@ -291,8 +292,8 @@ def _bodies_in_pop_order(client: redis.Redis) -> list[int]:
 VICTIM = """
 import os, signal, sys
 from kombu import Connection
-from checkpointq.worker import transport
-transport.install()
+from checkpointq.worker.hooks import kombu as kombu_hooks
+kombu_hooks.install()
 conn = Connection(sys.argv[1])
 channel = conn.channel()
 channel.basic_qos(0, 6, False)

@@ -37,6 +37,7 @@ from checkpointq.store.urls import redact_url, redis_py_url
 from checkpointq.tasks.errors import BrokerUnavailable
 from checkpointq.worker import connections
 from checkpointq.worker.beat import SWEEP_ENTRY, beat_config
+from checkpointq.worker.hooks import kombu as kombu_hooks
 from checkpointq.worker.ops import broker_probe, metrics
 from checkpointq.worker.settings import Settings
 
@@ -79,10 +80,8 @@ def held_messages(consumer: Any) -> int:
     it, and then the tasks Celery holds (reserved, ETA retries included) stand in for it.
     """
     qos = getattr(getattr(getattr(consumer, "task_consumer", None), "channel", None), "qos", None)
-    delivered = getattr(qos, "_delivered", None)
-    if delivered is not None:
-        return max(0, len(delivered) - len(getattr(qos, "_dirty", ())))
-    return len(worker_state.reserved_requests)
+    held = kombu_hooks.held_messages(qos)
+    return len(worker_state.reserved_requests) if held is None else held
 
 
 class Heartbeat:

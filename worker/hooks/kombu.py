@@ -1,4 +1,10 @@
-"""Keep one malformed queue item from stopping a worker: dead-letter it instead.
+"""Every use of kombu's private names, in one place: the guarded Redis reader and the
+bookkeeping accessors the worker's reserve, coalescing, ack and health code go through.
+
+Nothing else in checkpointq reaches past kombu's public API; when kombu changes, this module
+is the one to re-read.
+
+Keep one malformed queue item from stopping a worker: dead-letter it instead.
 
 kombu's Redis transport pops each item with BRPOP and decodes it (JSON envelope, then the
 base64 body) inside the worker's event loop, before any Celery hook can see it. An item
@@ -337,3 +343,48 @@ def install() -> None:
 
 def installed() -> bool:
     return kombu_redis.Channel._brpop_read is _guarded_brpop_read
+
+
+# -- bookkeeping of kombu's virtual QoS (Redis) ---------------------------------------------
+
+
+def held_messages(qos: Any) -> int | None:
+    """Messages the QoS delivered and that are not yet settled; None: not a virtual QoS."""
+    delivered = getattr(qos, "_delivered", None)
+    if delivered is None:
+        return None
+    return max(0, len(delivered) - len(getattr(qos, "_dirty", ())))
+
+
+def held_body_bytes(qos: Any) -> int:
+    """Bytes of the bodies of the messages the QoS delivered and that are not yet settled."""
+    dirty = qos._dirty
+    return sum(len(m.body or b"") for tag, m in qos._delivered.items() if tag not in dirty)
+
+
+def queue_key(channel: Any, queue: str, priority: int) -> str:
+    """The Redis list kombu keeps ``queue``'s messages of ``priority`` in."""
+    key: str = channel._q_for_pri(queue, priority)
+    return key
+
+
+def forget_locally(channel: Any, tag: Any) -> None:
+    """Drop a delivered message from the QoS's local bookkeeping (its prefetch slot), telling
+    the broker nothing; nothing happens on transports without that bookkeeping."""
+    quick_ack = getattr(getattr(channel, "qos", None), "_quick_ack", None)
+    if quick_ack is not None:
+        quick_ack(tag)
+
+
+def unacked_indices(channel: Any) -> Any | None:
+    """The channel's QoS when it keeps kombu's Redis ``unacked`` hash and index (what
+    ``QoS._remove_from_indices`` removes a tag from), else None."""
+    qos: Any = getattr(channel, "qos", None)
+    return qos if getattr(qos, "_remove_from_indices", None) is not None else None
+
+
+def settled_as_acked(qos: Any, message: Any, tag: Any) -> None:
+    """Finish an acknowledgement whose broker half was written elsewhere, as ``Message.ack``
+    would: the QoS forgets the tag and the message counts as acknowledged."""
+    qos._quick_ack(tag)
+    message._state = "ACK"
