@@ -6,15 +6,17 @@ import (
 	"fmt"
 	"math/rand"
 	"sort"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/gomodule/redigo/redis"
 	"github.com/klauspost/compress/zstd"
 )
 
 // BenchmarkEnqueueVsRedisStoreSave times, turn about on the same private Redis, the
-// client's Save (build the protocol 2 message, one LPUSH) and what the Go RedisStore's
+// client's Save (the protocol 2 message and its pending record, one script call) and what the Go RedisStore's
 // Save does (marshal, zstd, SET ... EX), on a ~20 KB checkpoint. It reports each p50 and
 // their ratio; it asserts nothing about time. Run it with
 //
@@ -26,21 +28,7 @@ func BenchmarkEnqueueVsRedisStoreSave(b *testing.B) {
 	defer broker.Close()
 	c := New[Checkpoint](Config{Broker: broker, Queue: queue})
 	encoder := encoderFor(b)
-	// Prose-like text (seeded random words), which zstd shrinks about as much as real
-	// conversation: a repeated sentence would flatter the store's SET.
-	words := strings.Fields("the agent said that a tool call returned results for search query " +
-		"user asked about weather code review deploy failed retry with backoff token budget " +
-		"summary of the plan next step is to read file and write tests error timeout ok")
-	rnd := rand.New(rand.NewSource(1))
-	var messages []string
-	for i := 0; i < 60; i++ {
-		var text []string
-		for len(strings.Join(text, " ")) < 330 {
-			text = append(text, words[rnd.Intn(len(words))])
-		}
-		messages = append(messages, fmt.Sprintf("message %d: %s", i, strings.Join(text, " ")))
-	}
-	cp := sampleCheckpoint("bench-session", 1, messages...)
+	cp := benchCheckpoint("bench-session")
 	doc, _ := SerializeCheckpoint(cp)
 	b.Logf("checkpoint: %d bytes of JSON, %d zstd", len(doc), len(encoderFor(b).EncodeAll(doc, nil)))
 
@@ -83,6 +71,25 @@ func BenchmarkEnqueueVsRedisStoreSave(b *testing.B) {
 	b.ReportMetric(float64(p50e)/float64(p50s), "enqueue/save")
 }
 
+// benchCheckpoint is a ~22.7 KB checkpoint of prose-like text (seeded random words), which
+// zstd shrinks about as much as real conversation (to ~6 KB): a repeated sentence would
+// flatter the store's SET.
+func benchCheckpoint(id string) *Checkpoint {
+	words := strings.Fields("the agent said that a tool call returned results for search query " +
+		"user asked about weather code review deploy failed retry with backoff token budget " +
+		"summary of the plan next step is to read file and write tests error timeout ok")
+	rnd := rand.New(rand.NewSource(1))
+	var messages []string
+	for i := 0; i < 60; i++ {
+		var text []string
+		for len(strings.Join(text, " ")) < 330 {
+			text = append(text, words[rnd.Intn(len(words))])
+		}
+		messages = append(messages, fmt.Sprintf("message %d: %s", i, strings.Join(text, " ")))
+	}
+	return sampleCheckpoint(id, 1, messages...)
+}
+
 // encoderFor is a zstd encoder at klauspost's default level (SpeedDefault).
 func encoderFor(tb testing.TB) *zstd.Encoder {
 	encoder, err := zstd.NewWriter(nil, zstd.WithEncoderLevel(zstd.SpeedDefault))
@@ -96,4 +103,170 @@ func median(d []time.Duration) time.Duration {
 	sorted := append([]time.Duration(nil), d...)
 	sort.Slice(sorted, func(i, j int) bool { return sorted[i] < sorted[j] })
 	return sorted[len(sorted)/2]
+}
+
+// BenchmarkRecordsVsRedisStore times, turn about on one private Redis (broker and store,
+// the README's layout), the client's Save (trim, zstd, the protocol 2 message and the
+// pending record in one script call) against the Go RedisStore's Save (marshal, zstd,
+// SET ... EX), and the client's Load against the Go RedisStore's (GET, zstd, unmarshal):
+// with a pending record that wins (the value comes from the record), with none (the
+// store's value), and the same two with the store given as a second connection (no
+// shared script: a call to the broker, then one to the store). It reports each p50 and
+// the ratios to the Go store's; it asserts nothing about time. Run it with
+//
+//	scripts/test-go -run '^$' -bench RecordsVsRedisStore -benchtime 2000x
+func BenchmarkRecordsVsRedisStore(b *testing.B) {
+	ctx := context.Background()
+	server, err := startRedis()
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer server.Stop()
+	r, second := newRedigo(server.Addr), newRedigo(server.Addr)
+	defer r.Close()
+	defer second.Close()
+	const queue = "bench-nobody-reads-this"
+	one := New[Checkpoint](Config{Broker: r, Queue: queue})
+	two := New[Checkpoint](Config{Broker: r, Store: second, Queue: queue})
+	if !one.oneRedis || two.oneRedis {
+		b.Fatal("the two clients do not read as intended")
+	}
+	encoder := encoderFor(b)
+	cp := benchCheckpoint("bench-pending")
+	direct := benchCheckpoint("bench-stored")
+	data, _ := json.Marshal(direct)
+	if _, err := r.do(ctx, "SET", DefaultPrefix+":bench-stored", encoder.EncodeAll(data, nil)); err != nil {
+		b.Fatal(err)
+	}
+	redisStoreSave := func() error {
+		data, err := json.Marshal(cp)
+		if err != nil {
+			return err
+		}
+		_, err = r.do(ctx, "SET", DefaultPrefix+":bench-direct", encoder.EncodeAll(data, nil), "EX", 30*24*3600)
+		return err
+	}
+	redisStoreLoad := func() error {
+		value, err := r.do(ctx, "GET", DefaultPrefix+":bench-direct")
+		if err != nil {
+			return err
+		}
+		doc, err := decodeValue(value.([]byte))
+		if err != nil {
+			return err
+		}
+		var got Checkpoint
+		return json.Unmarshal(doc, &got)
+	}
+	load := func(c *Client[Checkpoint], id string) error {
+		got, err := c.Load(ctx, id)
+		if err == nil && (got == nil || len(got.ConversationHistory) != 60) {
+			err = fmt.Errorf("Load(%q) = %+v", id, got)
+		}
+		return err
+	}
+	var save, storeSave, loadRecord, loadStore, loadRecord2, loadStore2, storeLoad []time.Duration
+	timed := func(into *[]time.Duration, call func() error) {
+		start := time.Now()
+		if err := call(); err != nil {
+			b.Fatal(err)
+		}
+		*into = append(*into, time.Since(start))
+	}
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		timed(&save, func() error { _, err := one.Save(ctx, cp); return err })
+		timed(&storeSave, redisStoreSave)
+		timed(&loadRecord, func() error { return load(one, "bench-pending") })
+		timed(&loadStore, func() error { return load(one, "bench-stored") })
+		timed(&loadRecord2, func() error { return load(two, "bench-pending") })
+		timed(&loadStore2, func() error { return load(two, "bench-stored") })
+		timed(&storeLoad, redisStoreLoad)
+		if i%500 == 499 {
+			b.StopTimer()
+			if _, err := r.do(ctx, "DEL", queue); err != nil {
+				b.Fatal(err)
+			}
+			b.StartTimer()
+		}
+	}
+	b.StopTimer()
+	p50 := func(name string, d []time.Duration, base time.Duration) {
+		b.ReportMetric(float64(median(d).Microseconds()), name+"-p50-µs")
+		if base > 0 {
+			b.ReportMetric(float64(median(d))/float64(base), name+"/redisstore")
+		}
+	}
+	p50("redisstore-save", storeSave, 0)
+	p50("redisstore-load", storeLoad, 0)
+	p50("save", save, median(storeSave))
+	p50("load-record", loadRecord, median(storeLoad))
+	p50("load-store", loadStore, median(storeLoad))
+	p50("load-record-2calls", loadRecord2, median(storeLoad))
+	p50("load-store-2calls", loadStore2, median(storeLoad))
+}
+
+// BenchmarkBrokerMemoryPerPendingSession saves the ~22.7 KB checkpoint for 1,000 sessions
+// onto a queue nobody reads, on a fresh private Redis, and reports the broker's memory per
+// pending session: in all (the message and the record: INFO used_memory), and the record
+// alone (MEMORY USAGE of the record hashes and the index). Records are bounded by the
+// requests the queue holds: one per session, removed once applied. Run it with
+//
+//	scripts/test-go -run '^$' -bench BrokerMemoryPerPendingSession -benchtime 1x
+func BenchmarkBrokerMemoryPerPendingSession(b *testing.B) {
+	ctx := context.Background()
+	server, err := startRedis()
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer server.Stop()
+	r := newRedigo(server.Addr)
+	defer r.Close()
+	c := New[Checkpoint](Config{Broker: r, Queue: "bench-nobody-reads-this"})
+	const sessions = 1000
+	usedMemory := func() int64 {
+		info, err := redis.String(server.Do("INFO", "memory"))
+		if err != nil {
+			b.Fatal(err)
+		}
+		for _, line := range strings.Split(info, "\r\n") {
+			if strings.HasPrefix(line, "used_memory:") {
+				n, _ := strconv.ParseInt(strings.TrimPrefix(line, "used_memory:"), 10, 64)
+				return n
+			}
+		}
+		b.Fatal("no used_memory in INFO")
+		return 0
+	}
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		b.StopTimer()
+		if _, err := server.Do("FLUSHALL"); err != nil {
+			b.Fatal(err)
+		}
+		before := usedMemory()
+		b.StartTimer()
+		for s := 0; s < sessions; s++ {
+			if _, err := c.Save(ctx, benchCheckpoint(fmt.Sprint("pending-", s))); err != nil {
+				b.Fatal(err)
+			}
+		}
+		b.StopTimer()
+		total := usedMemory() - before
+		var records int64
+		for s := 0; s < sessions; s++ {
+			n, err := redis.Int64(server.Do("MEMORY", "USAGE", c.keys.pending(fmt.Sprint("pending-", s))))
+			if err != nil {
+				b.Fatal(err)
+			}
+			records += n
+		}
+		index, err := redis.Int64(server.Do("MEMORY", "USAGE", c.keys.pendingIndex()))
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.ReportMetric(float64(total)/sessions, "broker-bytes/pending-session")
+		b.ReportMetric(float64(records+index)/sessions, "record-bytes/pending-session")
+		b.StartTimer()
+	}
 }
