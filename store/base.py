@@ -19,11 +19,16 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from checkpointq.store.codec import DEFAULT_MAX_DECOMPRESSED, ValueCodec
-from checkpointq.store.errors import CheckpointTooLarge, InvalidInput
+from checkpointq.store.codec import DEFAULT_MAX_DECOMPRESSED, CodecError, ValueCodec
+from checkpointq.store.errors import (
+    CheckpointTooLarge,
+    CorruptCheckpoint,
+    InvalidCheckpoint,
+    InvalidInput,
+)
 from checkpointq.store.model import Checkpoint, display_id, validate_session_id
 from checkpointq.store.reconcile import ReconcileReport
-from checkpointq.store.serde import serialize_checkpoint
+from checkpointq.store.serde import deserialize_checkpoint, serialize_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -230,6 +235,10 @@ class CheckpointStore(abc.ABC):
         """The last applied request of a session, while it is remembered (read-your-writes:
         a request with ``seq`` S is durable once ``fence.seq >= S``)."""
 
+    def fences(self, session_ids: Sequence[str]) -> list[Fence | None]:
+        """Each session's fence, in order (stores may read them in one round trip)."""
+        return [self.fence(session_id) for session_id in session_ids]
+
     def load_with_fence(self, session_id: str) -> tuple[Checkpoint | None, Fence | None]:
         """The live checkpoint and the session's fence, read together: the fence is never
         older than the checkpoint, so a request stamped after ``fence.seq`` sorts after the
@@ -331,8 +340,11 @@ class CheckpointStore(abc.ABC):
     def check_session_id(session_id: object) -> str:
         return validate_session_id(session_id)
 
-    def encode(self, checkpoint: Checkpoint) -> EncodedCheckpoint:
+    def encode(self, checkpoint: Checkpoint, document: bytes | None = None) -> EncodedCheckpoint:
         """Serialize and compress, dropping the oldest messages to respect cap and budget.
+
+        ``document``: ``serialize_checkpoint(checkpoint)`` when the caller has it already (a
+        producer does, for its message); it is compressed as it is unless trimming is needed.
 
         Raises:
             CheckpointTooLarge: even the newest message alone exceeds ``max_value_bytes``.
@@ -347,7 +359,10 @@ class CheckpointStore(abc.ABC):
                 len(history),
                 cap,
             )
-        value = self._encode_keeping(checkpoint, keep)
+        if document is not None and keep == len(history):
+            value = self.codec.encode(document)
+        else:
+            value = self._encode_keeping(checkpoint, keep)
         budget = self.options.max_value_bytes
         if len(value) > budget:
             value, keep = self._fit_budget(checkpoint, keep, budget)
@@ -359,6 +374,17 @@ class CheckpointStore(abc.ABC):
                 keep,
             )
         return EncodedCheckpoint(value=value, trimmed=len(history) - keep)
+
+    def decode_value(self, session_id: str, stored: bytes) -> Checkpoint:
+        """A value in the store's format (``encode``'s) as a checkpoint.
+
+        Raises:
+            CorruptCheckpoint: it does not decode.
+        """
+        try:
+            return deserialize_checkpoint(self.codec.decode(stored))
+        except (CodecError, InvalidCheckpoint) as exc:
+            raise CorruptCheckpoint(session_id, str(exc)) from None
 
     def _encode_keeping(self, checkpoint: Checkpoint, keep: int) -> bytes:
         history = checkpoint.conversation_history

@@ -85,6 +85,13 @@ class KeySpace:
         agentorca-session.cq:sweep-hint     sorted set, cluster only: slot -> earliest deadline
         agentorca-session.cq:write-probe    written by workers and health checks: "can we write?"
         agentorca-session.cq:staging:<rnd>  a large value on its way into save.lua (seconds at most)
+
+    And on the **broker** (a single Redis, whatever the store is), the pending records our
+    producers write with each push (docs/protocol.md, "Pending records")::
+
+        agentorca-session.cq:pending:<id>   hash: the newest request for <id> the queue may hold
+        agentorca-session.cq:pending        sorted set: session id -> record deadline (ms)
+        agentorca-session.cq:pending-epoch  a token that changes only when the broker lost it all
     """
 
     prefix: str = DEFAULT_PREFIX
@@ -182,6 +189,21 @@ class KeySpace:
         tag of the session's slot (``ClusterKeySpace.staging``), as the script's keys must.
         """
         return f"{self._internal}:staging:{token}"
+
+    # The pending records live on the broker, a single Redis even when the store is a
+    # cluster: the same names in every layout, and no hash tags.
+
+    def pending(self, session_id: str) -> str:
+        """The session's pending record, on the broker."""
+        return f"{self._internal}:pending:{session_id}"
+
+    def pending_index(self) -> str:
+        """The pending records' index (session id -> deadline, ms), on the broker."""
+        return f"{self._internal}:pending"
+
+    def pending_epoch(self) -> str:
+        """The broker's pending epoch: a new token means it lost its records."""
+        return f"{self._internal}:pending-epoch"
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,10 +20,7 @@ from checkpointq.store.base import (
     SessionCounts,
     StoreOptions,
 )
-from checkpointq.store.codec import CodecError
-from checkpointq.store.errors import CorruptCheckpoint, InvalidCheckpoint
 from checkpointq.store.model import Checkpoint
-from checkpointq.store.serde import deserialize_checkpoint
 
 
 @dataclass(slots=True)
@@ -96,10 +93,7 @@ class InMemoryStore(CheckpointStore):
         return self._decode(session_id, value), fence
 
     def _decode(self, session_id: str, value: bytes) -> Checkpoint:
-        try:
-            return deserialize_checkpoint(self.codec.decode(value))
-        except (CodecError, InvalidCheckpoint) as exc:
-            raise CorruptCheckpoint(session_id, str(exc)) from None
+        return self.decode_value(session_id, value)
 
     def delete(self, session_id: str, seq: int | None = None, request_id: str = "") -> bool:
         self.check_session_id(session_id)

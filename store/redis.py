@@ -46,10 +46,7 @@ from checkpointq.store.base import (
     StoreOptions,
 )
 from checkpointq.store.cluster import cluster_client_from_url
-from checkpointq.store.codec import CodecError
 from checkpointq.store.errors import (
-    CorruptCheckpoint,
-    InvalidCheckpoint,
     InvalidInput,
     StoreNotConfigured,
     StoreUnavailable,
@@ -58,7 +55,6 @@ from checkpointq.store.keys import DEFAULT_PREFIX, ClusterKeySpace, KeySpace, Sh
 from checkpointq.store.model import Checkpoint
 from checkpointq.store.reconcile import Reconciler, ReconcileReport
 from checkpointq.store.scripts import Scripts, queue
-from checkpointq.store.serde import deserialize_checkpoint
 from checkpointq.store.urls import is_cluster_url, redact_url, redis_py_url
 
 logger = logging.getLogger(__name__)
@@ -493,10 +489,7 @@ class RedisStore(CheckpointStore):
         return None if stored is None else self._decode(session_id, stored)
 
     def _decode(self, session_id: str, stored: bytes) -> Checkpoint:
-        try:
-            return deserialize_checkpoint(self.codec.decode(stored))
-        except (CodecError, InvalidCheckpoint) as exc:
-            raise CorruptCheckpoint(session_id, str(exc)) from None
+        return self.decode_value(session_id, stored)
 
     def load_with_fence(self, session_id: str) -> tuple[Checkpoint | None, Fence | None]:
         """One script call (load.lua): the value and the fence, read atomically."""
@@ -505,13 +498,26 @@ class RedisStore(CheckpointStore):
         with _store_errors(f"load {session_id!r}"):
             stored, *fence = self.scripts.load(keys=[keys.data, keys.fence], args=[])
         checkpoint = None if stored is None else self._decode(session_id, stored)
-        return checkpoint, self._fence(*fence)
+        return checkpoint, self.fence_from_reply(*fence)
 
     def fence(self, session_id: str) -> Fence | None:
         self.check_session_id(session_id)
         with _store_errors(f"read fence of {session_id!r}"):
             reply = self.client.hmget(self.keys.fence(session_id), *_FENCE_FIELDS)
-        return self._fence(*reply)
+        return self.fence_from_reply(*reply)
+
+    def fences(self, session_ids: Sequence[str]) -> list[Fence | None]:
+        """Each session's fence, in one pipelined round trip (per node on a cluster)."""
+        if not session_ids:
+            return []
+        for session_id in session_ids:
+            self.check_session_id(session_id)
+        with _store_errors(f"read {len(session_ids)} fences"):
+            pipe = self.client.pipeline(transaction=False)
+            for session_id in session_ids:
+                pipe.hmget(self.keys.fence(session_id), *_FENCE_FIELDS)
+            replies = pipe.execute()
+        return [self.fence_from_reply(*reply) for reply in replies]
 
     def request_outcome(
         self, session_id: str, request_id: str
@@ -525,9 +531,9 @@ class RedisStore(CheckpointStore):
             pipe.hmget(self.keys.refused(request_id), "kind", "reason", "entry")
             fence, (kind, reason, entry) = pipe.execute()
         refusal = None if kind is None else Refusal(_text(kind), _text(reason), _text(entry))
-        return self._fence(*fence), refusal
+        return self.fence_from_reply(*fence), refusal
 
-    def _fence(
+    def fence_from_reply(
         self,
         seq: bytes | None,
         deleted: bytes | None,

@@ -17,13 +17,10 @@ from redis.commands.core import Script
 
 
 @cache
-def script_source(name: str) -> str:
-    """The text of ``store/lua/<name>.lua``, read from package data once per process."""
-    return (
-        resources.files("checkpointq.store")
-        .joinpath("lua", f"{name}.lua")
-        .read_text(encoding="utf-8")
-    )
+def script_source(name: str, package: str = "checkpointq.store") -> str:
+    """The text of ``<package>/lua/<name>.lua`` (``store/lua`` by default), read from
+    package data once per process."""
+    return resources.files(package).joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
 
 
 def queue(script: Script, pipe: Any, keys: list[str], args: list[Any]) -> None:

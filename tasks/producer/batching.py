@@ -19,7 +19,11 @@ Guarantees:
   a time in order, and every item is fenced by its own ``seq`` anyway.
 * **Outcomes.** Item ``i`` of batch ``T`` is request ``T:i`` (``Handle.request``), so
   ``wait_durable`` reports each item's own outcome.
-* **Errors.** ``save``/``delete`` validate at once (as the plain client does). A publish that
+* **Pending records.** Each item's record (``checkpointq.tasks.producer.pending``) is
+  written by the script call that pushes its batch: loads see a request once its batch is
+  published (within ``window_ms``; ``flush()`` publishes at once), not while it waits here.
+* **Errors.** ``save``/``delete`` validate at once (as the plain client does, refusing what
+  a worker would refuse). A publish that
   fails in the background (``BrokerUnavailable`` after the retries) is raised by the next
   call to ``save``, ``delete``, ``flush`` or ``close``: the requests of that batch were not
   sent, and the call that raises did not queue its own request either. ``flush()``
@@ -46,6 +50,7 @@ from checkpointq.tasks.errors import BrokerUnavailable
 from checkpointq.tasks.messages import APPLY_BATCH, DELETE, MAX_ITEMS, SAVE
 from checkpointq.tasks.producer.client import CheckpointClient, Handle
 from checkpointq.tasks.producer.outcomes import RequestOutcome
+from checkpointq.tasks.producer.pending import DELETE_OP, SAVE_OP, RecordWrite
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +86,8 @@ class BatchingClient:
         self._cond = threading.Condition()
         # The open batch: its encoded items, their total size, its task id and deadline.
         self._items: list[bytes] = []
+        # Each item's pending record, without its request id (``<task id>:<index>``).
+        self._records: list[tuple[str, int, str, bytes]] = []
         self._size = 0
         self._saves = 0
         self._task_id = ""
@@ -106,14 +113,14 @@ class BatchingClient:
             InvalidInput: the checkpoint exceeds ``max_message_bytes``.
             BrokerUnavailable: an earlier batch could not be published, or this one.
         """
-        cp, document = self.client.encode(checkpoint)
-        return self._add(SAVE, cp.session_id, messages.save_item, document, after)
+        cp, document, stored = self.client.prepare_save(checkpoint)
+        return self._add(SAVE, cp.session_id, messages.save_item, document, after, stored.value)
 
     def delete(self, session_id: str, *, after: int | None = None) -> Handle:
         """Add a delete to the open batch; return at once."""
         validate_session_id(session_id)
         sid = orjson.dumps(session_id)
-        return self._add(DELETE, session_id, messages.delete_item, sid, after)
+        return self._add(DELETE, session_id, messages.delete_item, sid, after, b"")
 
     def refresh(self, session_id: str) -> Handle:
         """Refreshes carry no ``seq`` and are not batched: published at once."""
@@ -126,7 +133,9 @@ class BatchingClient:
         item_of: Callable[[bytes, int], bytes],
         payload: bytes,
         after: int | None,
+        value: bytes,
     ) -> Handle:
+        op = SAVE_OP if task == SAVE else DELETE_OP
         self._raise_pending_error()
         item = b""
         seq = 0
@@ -143,7 +152,7 @@ class BatchingClient:
                         break
                 room = len(self._items) < self.max_items
                 if room and self._size + len(item) + 1 <= self.max_bytes:
-                    self._append(item, task)
+                    self._append(item, task, (session_id, seq, op, value))
                     # The worker names item i of batch T "T:i" (tasks/batch.py).
                     request_id = f"{self._task_id}:{len(self._items) - 1}"
                     handle = Handle(self._task_id, task, session_id, seq, request_id)
@@ -157,18 +166,23 @@ class BatchingClient:
         self.flush()
         body = messages.body(b"[" + payload + b"]", messages.seq_kwargs(seq))
         argsrepr = f"[<{task.removeprefix('checkpoint.')} {session_id!r}>]"
-        task_id = self.client.send_encoded(task, body, argsrepr, f"{{'seq': {seq}}}")
+        task_id = str(uuid.uuid4())
+        record = RecordWrite(session_id, seq, op, task_id, value)
+        kwargsrepr = f"{{'seq': {seq}}}"
+        self.client.send_encoded(task, body, argsrepr, kwargsrepr, task_id, [record])
         return Handle(task_id, task, session_id, seq)
 
-    def _append(self, item: bytes, task: str) -> None:
+    def _append(self, item: bytes, task: str, record: tuple[str, int, str, bytes]) -> None:
         """Add to the open batch (opening one if needed); the caller holds ``_cond``."""
         if not self._items:
             self._task_id = str(uuid.uuid4())
             self._deadline = time.monotonic() + self.window
             self._size = 0
             self._saves = 0
+            self._records = []
             self._cond.notify()
         self._items.append(item)
+        self._records.append(record)
         self._size += len(item) + 1
         self._saves += task == SAVE
 
@@ -188,12 +202,17 @@ class BatchingClient:
         with self._publishing:
             with self._cond:
                 items, task_id, saves = self._items, self._task_id, self._saves
-                self._items, self._size, self._saves = [], 0, 0
+                pending = self._records
+                self._items, self._size, self._saves, self._records = [], 0, 0, []
             if not items:
                 return
+            records = [
+                RecordWrite(session_id, seq, op, f"{task_id}:{index}", value)
+                for index, (session_id, seq, op, value) in enumerate(pending)
+            ]
             body = messages.body(b"[[" + b",".join(items) + b"]]", b"{}")
             argsrepr = f"[<{len(items)} items: {saves} saves, {len(items) - saves} deletes>]"
-            self.client.send_encoded(APPLY_BATCH, body, argsrepr, "{}", task_id=task_id)
+            self.client.send_encoded(APPLY_BATCH, body, argsrepr, "{}", task_id, records)
 
     def _run(self) -> None:
         """The flusher: publish each batch when its window has passed."""

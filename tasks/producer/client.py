@@ -5,19 +5,26 @@ writes Celery protocol 2 messages itself and LPUSHes them (``fast_publish``: the
 worker reads them as it reads ``send_task``'s, at a fraction of the producer's cost); on any
 other broker it publishes with Celery's ``send_task``. It stamps every save and delete with
 a causal ``seq`` (``clock``: after every fence this process has read for the session, so
-"load, then save" keeps its order across producers whose clocks disagree) and reads the
-store directly::
+"load, then save" keeps its order across producers whose clocks disagree). On a Redis broker
+each save and delete also writes its pending record in the push's own script call, and
+loads merge those records with the store (``pending``): every replica's load sees every
+accepted write, while the workers lag or the store refuses writes::
 
     client = CheckpointClient.from_settings(settings)
     cp = client.load(session_id)              # also remembers the session's fence
     handle = client.save(cp)                  # returns as soon as the broker has it
     client.wait_durable(handle, timeout=5.0)  # applied or superseded; raises if refused
+
+On other brokers (Sentinel, RabbitMQ: published through Celery) no records are written and
+loads read the store alone (``pending_records`` is None): a request is seen once applied.
 """
 
 from __future__ import annotations
 
 import reprlib
 import time
+import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,8 +32,9 @@ import orjson
 from celery import Celery
 from kombu.exceptions import OperationalError
 
-from checkpointq.store.base import CheckpointStore, Fence, StoreOptions
+from checkpointq.store.base import CheckpointStore, EncodedCheckpoint, Fence, StoreOptions
 from checkpointq.store.errors import InvalidInput
+from checkpointq.store.keys import KeySpace
 from checkpointq.store.model import Checkpoint, validate_session_id
 from checkpointq.store.redis import RedisStore
 from checkpointq.store.serde import checkpoint_from_wire, dumps_go, serialize_checkpoint
@@ -39,6 +47,7 @@ from checkpointq.tasks.messages import DELETE, EXPIRE_STALE, REFRESH, SAVE
 from checkpointq.tasks.producer import fast_publish
 from checkpointq.tasks.producer.clock import SeqClock, seq_clock
 from checkpointq.tasks.producer.outcomes import RequestOutcome, decide
+from checkpointq.tasks.producer.pending import DELETE_OP, SAVE_OP, PendingRecords, RecordWrite
 
 #: How hard a publish tries while the broker is unreachable (kombu retry policy): about
 #: three seconds in all, then BrokerUnavailable.
@@ -122,6 +131,7 @@ class CheckpointClient:
         max_message_bytes: int = 8 * 1024 * 1024,
         transport_options: dict[str, Any] | None = None,
         clock: SeqClock | None = None,
+        key_prefix: str | None = None,
     ) -> None:
         """Publish to ``broker_url``'s ``queue``; read (and wait on) ``store``.
 
@@ -131,6 +141,9 @@ class CheckpointClient:
         ``transport_options`` go to kombu for brokers published to through Celery
         (``checkpointq.tasks.brokers.transport_options``: confirms on RabbitMQ, the master's name on
         Sentinel); ``from_settings`` fills them in.
+
+        ``key_prefix`` names the pending records on the broker: the store's prefix by default
+        (``store.keys``), as every producer and worker of the deployment must agree.
         """
         self._transport_options = dict(transport_options or {})
         self.clock = clock or seq_clock
@@ -142,8 +155,21 @@ class CheckpointClient:
         # Redis brokers: our own protocol 2 messages over a pooled connection.
         self._publisher: fast_publish.RedisPublisher | None = None
         self._app: Celery | None = None
+        #: The pending records on the broker (Redis brokers only): written by every save and
+        #: delete, merged into every load and list.
+        self.pending_records: PendingRecords | None = None
         if fast_publish.supports(broker_url):
             self._publisher = fast_publish.RedisPublisher(broker_url, queue, PUBLISH_RETRY_POLICY)
+            store_keys = getattr(store, "keys", None)
+            prefix = key_prefix or getattr(store_keys, "prefix", None)
+            keys = KeySpace(prefix) if prefix else KeySpace()
+            self.pending_records = self._publisher.pending = PendingRecords(
+                self._publisher.client,
+                store,
+                keys,
+                ttl_seconds=store.options.ttl_seconds,
+                display_url=self._display_url,
+            )
         else:
             self._app = self._celery_app()
 
@@ -183,6 +209,7 @@ class CheckpointClient:
             store,
             queue=settings.queue,
             max_message_bytes=settings.max_message_bytes,
+            key_prefix=settings.key_prefix,
             transport_options=brokers.transport_options(
                 settings.broker_url,
                 sentinel_master=settings.sentinel_master,
@@ -201,18 +228,38 @@ class CheckpointClient:
         ``after``: a fence ``seq`` read in another process (``load_with_fence``) that this
         save must sort after; fences read by this process count without it.
 
+        Everything a worker would refuse deterministically is refused here, with the error
+        it would record, so that a pending record never serves a value that cannot land.
+
         Raises:
             InvalidCheckpoint: not a valid checkpoint (checked here, before publishing).
+            CheckpointTooLarge: even its newest message alone exceeds the store's
+                stored-size budget (``max_value_bytes``), as the worker would find.
             InvalidInput: the request would exceed ``max_message_bytes``.
             BrokerUnavailable: the broker stayed unreachable through the publish retries.
         """
-        cp, document = self.encode(checkpoint)
+        cp, document, stored = self.prepare_save(checkpoint)
         seq = self.clock.next(cp.session_id, after)
         argsrepr = f"[<checkpoint {cp.session_id!r} v{cp.version}, {len(document)} bytes>]"
         kwargsrepr = f"{{'seq': {seq}}}"
         body = messages.save_body(document, seq)
-        task_id = self.send_encoded(SAVE, body, argsrepr, kwargsrepr)
+        task_id = str(uuid.uuid4())
+        record = RecordWrite(cp.session_id, seq, SAVE_OP, task_id, stored.value)
+        self.send_encoded(SAVE, body, argsrepr, kwargsrepr, task_id=task_id, records=[record])
         return Handle(task_id, SAVE, cp.session_id, seq)
+
+    def prepare_save(
+        self, checkpoint: Checkpoint | dict[str, Any]
+    ) -> tuple[Checkpoint, bytes, EncodedCheckpoint]:
+        """``encode``, and the value the store will hold (the store's own ``encode``: the
+        history trimmed to the cap and the stored-size budget, compressed).
+
+        Raises:
+            InvalidCheckpoint, InvalidInput: as ``encode``.
+            CheckpointTooLarge: it cannot fit the stored-size budget.
+        """
+        cp, document = self.encode(checkpoint)
+        return cp, document, self.store.encode(cp, document)
 
     def encode(self, checkpoint: Checkpoint | dict[str, Any]) -> tuple[Checkpoint, bytes]:
         """Validate ``checkpoint`` and serialise it once: the Go JSON that both the size
@@ -236,7 +283,12 @@ class CheckpointClient:
         """Enqueue a delete stamped with a fresh causal ``seq``; return at once."""
         validate_session_id(session_id)
         seq = self.clock.next(session_id, after)
-        return Handle(self.send(DELETE, [session_id], {"seq": seq}), DELETE, session_id, seq)
+        body = messages.body(dumps_go([session_id]), messages.seq_kwargs(seq))
+        task_id = str(uuid.uuid4())
+        record = RecordWrite(session_id, seq, DELETE_OP, task_id)
+        argsrepr, kwargsrepr = _brief.repr([session_id]), f"{{'seq': {seq}}}"
+        self.send_encoded(DELETE, body, argsrepr, kwargsrepr, task_id=task_id, records=[record])
+        return Handle(task_id, DELETE, session_id, seq)
 
     def refresh(self, session_id: str) -> Handle:
         """Enqueue a TTL refresh (no rewrite); return at once."""
@@ -266,17 +318,19 @@ class CheckpointClient:
         argsrepr: str,
         kwargsrepr: str = "{}",
         task_id: str | None = None,
+        records: Sequence[RecordWrite] = (),
     ) -> str:
         """Publish ``task`` with a ready-made protocol 2 body (``messages.body``).
 
-        On a Redis broker the bytes go out as they are; other brokers get them decoded and
-        published through Celery (which encodes them again).
+        On a Redis broker the bytes go out as they are, with ``records`` (the pending records
+        of the requests the body carries) in the same script call; other brokers get them
+        decoded and published through Celery (which encodes them again), without records.
 
         Raises:
             BrokerUnavailable: the broker stayed unreachable through the publish retries.
         """
         if (publisher := self._publisher) is not None:
-            return publisher.publish(task, body, argsrepr, kwargsrepr, task_id=task_id)
+            return publisher.publish(task, body, argsrepr, kwargsrepr, task_id, records)
         args, kwargs, _embed = orjson.loads(body)
         return self._send_task(task, args, kwargs, argsrepr, kwargsrepr, task_id=task_id)
 
@@ -353,23 +407,45 @@ class CheckpointClient:
     # -- reads --------------------------------------------------------------------------
 
     def load(self, session_id: str) -> Checkpoint | None:
-        """The live checkpoint, read from the store (None when absent, expired or deleted).
+        """The newest accepted write of the session: its pending request when the queue
+        still holds one, else the store's live checkpoint (None when absent, expired or
+        deleted, or when the newest accepted request is a delete).
 
         The session's fence comes with it, so a save or delete this process makes next
-        sorts after what was loaded."""
+        sorts after what was loaded.
+
+        Raises:
+            BrokerUnavailable: the pending records could not be read (a separate broker):
+                the store alone might miss an accepted write.
+            StoreUnavailable: the store could not be read.
+        """
         return self.load_with_fence(session_id)[0]
 
     def load_with_fence(self, session_id: str) -> tuple[Checkpoint | None, Fence | None]:
-        """The checkpoint and the session's fence, in one round trip. Pass ``fence.seq`` as
-        ``after=`` to a save made in another process from what was loaded here."""
-        checkpoint, fence = self.store.load_with_fence(session_id)
+        """The checkpoint and the fence of what was loaded: the pending record's ``seq``
+        when the record answered. One round trip when broker and store are one Redis, two
+        otherwise. Pass ``fence.seq`` as ``after=`` to a save made in another process from
+        what was loaded here. Raises as ``load``."""
+        if self.pending_records is None:
+            checkpoint, fence = self.store.load_with_fence(session_id)
+        else:
+            checkpoint, fence = self.pending_records.load(session_id)
         if fence is not None:
             self.clock.observe(session_id, fence.seq)
         return checkpoint, fence
 
     def list(self) -> list[str]:
-        """Every live session id, read from the store."""
-        return self.store.list()
+        """Every live session id: the store's, with the pending saves and without the
+        pending deletes (sorted when merged). Raises as ``load``."""
+        if self.pending_records is None:
+            return self.store.list()
+        return self.pending_records.list()
+
+    @property
+    def epoch_changes(self) -> int:
+        """How many times this client found the broker had lost its pending records (a
+        restart without persistence; ``checkpointq_pending_epoch_changes_total``)."""
+        return 0 if self.pending_records is None else self.pending_records.epochs.changes
 
     def close(self) -> None:
         if self._publisher is not None:

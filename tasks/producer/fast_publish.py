@@ -1,4 +1,5 @@
-"""Publish Celery protocol 2 messages to a Redis broker ourselves: one LPUSH, no kombu.
+"""Publish Celery protocol 2 messages to a Redis broker ourselves: one LPUSH (or one
+publish.lua call that also writes the requests' pending records), no kombu.
 
 Celery's ``send_task`` costs an API server more than writing the checkpoint synchronously
 would (bench/, producer section): it builds the message through several layers, formats a
@@ -31,8 +32,8 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import redis
@@ -42,6 +43,9 @@ from redis.retry import Retry
 
 from checkpointq.store.urls import is_redis_url, redact_url, redis_py_url
 from checkpointq.tasks.errors import BrokerUnavailable
+
+if TYPE_CHECKING:
+    from checkpointq.tasks.producer.pending import PendingRecords, RecordWrite
 
 _RETRYABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError)
 
@@ -128,9 +132,20 @@ class RedisPublisher:
             retry=Retry(NoBackoff(), 0),
             health_check_interval=30,
         )
+        #: Written with each push that carries records (``attach``); None: plain LPUSH.
+        self.pending: PendingRecords | None = None
         self._reply_to = str(uuid.uuid4())
         self._templates: dict[str, _Template] = {}
         self._pid = os.getpid()
+
+    @property
+    def client(self) -> redis.Redis:
+        """The broker connection (pooled; every wait bounded as described above)."""
+        return self._client
+
+    @property
+    def display_url(self) -> str:
+        return self._display_url
 
     def __repr__(self) -> str:
         return f"RedisPublisher({self._display_url}, queue={self.queue!r})"
@@ -165,8 +180,12 @@ class RedisPublisher:
         argsrepr: str,
         kwargsrepr: str = "{}",
         task_id: str | None = None,
+        records: Sequence[RecordWrite] = (),
     ) -> str:
         """Push one ``task`` message whose body is ``body_json``; return its task id.
+
+        ``records``: the pending records of the requests it carries, written by the same
+        script call as the push (``pending``) when this publisher has them.
 
         A publish that fails on a connection error or timeout is retried per the policy; a
         retried push may land twice, which fenced requests make harmless (Celery's retrying
@@ -177,10 +196,14 @@ class RedisPublisher:
         """
         task_id = task_id or str(uuid.uuid4())
         message = self.envelope(task, body_json, argsrepr, kwargsrepr, task_id)
-        self._push(task, message)
+        pending = self.pending
+        if pending is not None and records:
+            self._push(task, lambda: pending.push(self.queue, message, records))
+        else:
+            self._push(task, lambda: self._client.lpush(self.queue, message))
         return task_id
 
-    def _push(self, what: str, message: bytes) -> None:
+    def _push(self, what: str, push: Callable[[], object]) -> None:
         policy = self.retry_policy
         retries = int(policy.get("max_retries", 0))
         interval = float(policy.get("interval_start", 0.0))
@@ -188,7 +211,7 @@ class RedisPublisher:
         deadline = started + self.timeout
         for attempt in range(retries + 1):
             try:
-                self._client.lpush(self.queue, message)
+                push()
                 return
             except _RETRYABLE as exc:
                 now = time.monotonic()

@@ -1,0 +1,255 @@
+"""Pending records: written with each push, merged into loads and lists by seq, settled by
+the worker's script; against real redis-servers (two clients play two API replicas)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from checkpointq.store import ConversationMessage, RedisStore
+from checkpointq.store.base import StoreOptions
+from checkpointq.store.errors import CheckpointTooLarge, StoreUnavailable
+from checkpointq.store.keys import KeySpace
+from checkpointq.tasks.errors import BrokerUnavailable
+from checkpointq.tasks.producer.batching import BatchingClient
+from checkpointq.tasks.producer.client import CheckpointClient
+from checkpointq.tasks.producer.pending import EpochWatch, settle_command, settle_source
+from tests.support.checkpoints import make_checkpoint
+from tests.support.servers import RedisServer, free_port
+
+pytestmark = pytest.mark.integration
+
+QUEUE = "checkpoints"
+KEYS = KeySpace()
+
+
+def _replica(broker_url: str, store_url: str, **options: object) -> CheckpointClient:
+    store = RedisStore.from_url(store_url, options=StoreOptions(**options))  # type: ignore[arg-type]
+    return CheckpointClient(broker_url, store, queue=QUEUE)
+
+
+@pytest.fixture
+def one_redis(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> Iterator[tuple[CheckpointClient, CheckpointClient]]:
+    """Two replicas on one Redis that is broker and store; no worker consumes."""
+    a, b = (
+        _replica(redis_server.url, redis_server.url),
+        _replica(redis_server.url, redis_server.url),
+    )
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.fixture
+def two_redis(
+    redis_server: RedisServer, redis_client: redis.Redis, store_server: RedisServer
+) -> Iterator[tuple[CheckpointClient, CheckpointClient]]:
+    """Two replicas with the broker and the store on separate Redis servers."""
+    store_server.client().flushall()
+    a, b = (
+        _replica(redis_server.url, store_server.url),
+        _replica(redis_server.url, store_server.url),
+    )
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.fixture(params=["one_redis", "two_redis"])
+def replicas(request: pytest.FixtureRequest) -> tuple[CheckpointClient, CheckpointClient]:
+    pair: tuple[CheckpointClient, CheckpointClient] = request.getfixturevalue(request.param)
+    return pair
+
+
+def test_a_queued_save_is_what_another_replica_loads(
+    replicas: tuple[CheckpointClient, CheckpointClient],
+) -> None:
+    a, b = replicas
+    # Given a durable session at version 5
+    a.store.save(make_checkpoint("s", version=5, messages=5), seq=100)
+    # When replica A saves version 6 and no worker applies it
+    handle = a.save(make_checkpoint("s", version=6, messages=6))
+    # Then replica B loads version 6, fenced at A's seq, and lists the session
+    cp, fence = b.load_with_fence("s")
+    assert cp is not None and cp.version == 6 and len(cp.conversation_history) == 6
+    assert fence is not None and fence.seq == handle.seq and fence.request_id == handle.task_id
+    assert b.list() == ["s"]
+    # And B's next save sorts after A's
+    assert (b.save(make_checkpoint("s", version=7)).seq or 0) > fence.seq
+    assert b.store.load("s").version == 5  # type: ignore[union-attr]  # nothing applied
+
+
+def test_a_queued_delete_hides_the_stored_session(
+    replicas: tuple[CheckpointClient, CheckpointClient],
+) -> None:
+    a, b = replicas
+    a.store.save(make_checkpoint("s", version=5), seq=100)
+    a.store.save(make_checkpoint("other", version=1), seq=100)
+    handle = a.delete("s")
+    cp, fence = b.load_with_fence("s")
+    assert cp is None and fence is not None and fence.deleted and fence.seq == handle.seq
+    assert b.list() == ["other"]
+
+
+def test_a_pending_save_of_a_new_session_is_listed(
+    replicas: tuple[CheckpointClient, CheckpointClient],
+) -> None:
+    a, b = replicas
+    a.save(make_checkpoint("new", version=1))
+    assert b.list() == ["new"]
+    assert b.load("new") is not None
+
+
+def test_the_store_answers_once_it_holds_the_records_request_or_a_newer_one(
+    replicas: tuple[CheckpointClient, CheckpointClient],
+) -> None:
+    a, b = replicas
+    handle = a.save(make_checkpoint("s", version=6))
+    assert handle.seq is not None
+    # A worker applied a newer request (its record already gone or never written)
+    a.store.save(make_checkpoint("s", version=9), seq=handle.seq + 1)
+    cp, fence = b.load_with_fence("s")
+    assert cp is not None and cp.version == 9 and fence is not None and fence.seq == handle.seq + 1
+    # And a stored delete newer than the record hides it
+    a.store.delete("s", seq=handle.seq + 2)
+    assert b.load("s") is None and b.list() == []
+
+
+def test_the_record_holds_the_value_exactly_as_the_store_will(
+    one_redis: tuple[CheckpointClient, CheckpointClient], redis_client: redis.Redis
+) -> None:
+    a, _ = one_redis
+    checkpoint = make_checkpoint("s", version=3, messages=150)  # over the 100-message cap
+    handle = a.save(checkpoint)
+    record = redis_client.hgetall(KEYS.pending("s"))
+    assert record[b"value"] == a.store.encode(checkpoint).value
+    assert record[b"seq"] == str(handle.seq).encode() and record[b"op"] == b"save"
+    assert record[b"req"] == handle.task_id.encode()
+    loaded = a.load("s")
+    assert loaded is not None and len(loaded.conversation_history) == 100
+    # It lives as long as the checkpoint would, and the index says until when
+    ttl_ms = redis_client.pttl(KEYS.pending("s"))
+    assert 0 < ttl_ms <= a.store.options.ttl_seconds * 1000
+    assert redis_client.zscore(KEYS.pending_index(), "s") is not None
+
+
+def test_a_save_the_worker_could_never_store_is_refused_at_once(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    # Given a store whose budget is smaller than one incompressible message
+    client = _replica(redis_server.url, redis_server.url, max_value_bytes=4096)
+    try:
+        noise = ConversationMessage(role="user", content=os.urandom(16 * 1024).hex())
+        big = make_checkpoint("s").model_copy(update={"conversation_history": [noise]})
+        # When it is saved, Then save() raises the worker's own error, and nothing is queued
+        with pytest.raises(CheckpointTooLarge, match="stored-size budget"):
+            client.save(big)
+        assert redis_client.llen(QUEUE) == 0 and not redis_client.exists(KEYS.pending("s"))
+    finally:
+        client.close()
+
+
+def test_a_load_on_one_redis_is_one_script_call(
+    one_redis: tuple[CheckpointClient, CheckpointClient], redis_client: redis.Redis
+) -> None:
+    a, b = one_redis
+    a.save(make_checkpoint("s", version=1))
+    assert b.pending_records is not None and b.pending_records.one_redis
+    b.load("s")  # the script is cached from here on
+    redis_client.config_resetstat()
+    b.load("s")
+    stats = redis_client.info("commandstats")
+    calls = {name: int(v["calls"]) for name, v in stats.items() if "config" not in name}
+    # One EVALSHA; the HMGETs and GETs are load_pending.lua's own (counted as well)
+    assert calls == {"cmdstat_evalsha": 1, "cmdstat_hmget": 2, "cmdstat_get": 2}
+
+
+def test_a_load_whose_broker_is_down_says_so_instead_of_serving_the_store(
+    store_server: RedisServer,
+) -> None:
+    store_server.client().flushall()
+    dead_broker = f"redis://127.0.0.1:{free_port()}/0"
+    client = _replica(dead_broker, store_server.url)
+    try:
+        client.store.save(make_checkpoint("s", version=5), seq=1)
+        with pytest.raises(BrokerUnavailable, match="pending records"):
+            client.load("s")
+        with pytest.raises(BrokerUnavailable):
+            client.list()
+    finally:
+        client.close()
+
+
+def test_a_load_whose_one_redis_is_down_raises_store_unavailable() -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    client = _replica(url, url)
+    try:
+        with pytest.raises(StoreUnavailable):
+            client.load("s")
+    finally:
+        client.close()
+
+
+def test_a_broker_that_lost_its_records_is_counted_and_loads_fall_back_to_the_store(
+    two_redis: tuple[CheckpointClient, CheckpointClient], redis_client: redis.Redis
+) -> None:
+    a, b = two_redis
+    a.store.save(make_checkpoint("s", version=5), seq=100)
+    a.save(make_checkpoint("s", version=6))
+    assert b.load("s").version == 6  # type: ignore[union-attr]
+    assert b.epoch_changes == 0
+    # When the broker loses everything (a restart without persistence)
+    redis_client.flushall()
+    # Then B's load reads the store and counts the loss once
+    assert b.load("s").version == 5  # type: ignore[union-attr]
+    assert b.load("s").version == 5  # type: ignore[union-attr]
+    assert b.epoch_changes == 1
+    # And a new epoch begun by A's next save is not another loss
+    a.save(make_checkpoint("s", version=7))
+    assert b.load("s").version == 7  # type: ignore[union-attr]
+    assert b.epoch_changes == 1
+
+
+def test_a_batch_writes_each_items_record_under_its_request_id(
+    one_redis: tuple[CheckpointClient, CheckpointClient], redis_client: redis.Redis
+) -> None:
+    a, b = one_redis
+    batching = BatchingClient(a, window_ms=60_000)
+    try:
+        first = batching.save(make_checkpoint("x", version=1))
+        second = batching.save(make_checkpoint("x", version=2))
+        gone = batching.delete("y")
+        batching.flush()
+        assert redis_client.hget(KEYS.pending("x"), "req") == second.request.encode()
+        assert redis_client.hget(KEYS.pending("y"), "op") == b"delete"
+        assert first.request != second.request and gone.request.endswith(":2")
+        assert b.load("x").version == 2  # type: ignore[union-attr]
+        assert b.load("y") is None and b.list() == ["x"]
+    finally:
+        batching.close()
+
+
+def test_settling_removes_a_record_only_up_to_the_settled_seq(redis_client: redis.Redis) -> None:
+    settle = redis_client.register_script(settle_source())
+    for session_id, seq in (("old", 10), ("newer", 30), ("same", 20)):
+        redis_client.hset(KEYS.pending(session_id), mapping={"seq": seq, "op": "delete"})
+        redis_client.zadd(KEYS.pending_index(), {session_id: 2**50})
+    redis_client.zadd(KEYS.pending_index(), {"expired": 1, "vanished": 2**50})
+    keys, args = settle_command(KEYS, [("old", 20), ("newer", 20), ("same", 20), ("vanished", 5)])
+    assert settle(keys=keys, args=args) == 2
+    assert not redis_client.exists(KEYS.pending("old"), KEYS.pending("same"))
+    assert redis_client.hget(KEYS.pending("newer"), "seq") == b"30"
+    assert redis_client.zrange(KEYS.pending_index(), 0, -1) == [b"newer"]
+
+
+def test_the_epoch_watch_counts_each_loss_once() -> None:
+    watch = EpochWatch()
+    for epoch in (None, b"a", b"a", None, None, b"b", b"c", b"c"):
+        watch.observe(epoch)
+    # a -> lost (1), lost -> b is the new epoch, b -> c (2)
+    assert watch.changes == 2
