@@ -59,9 +59,11 @@ def _traced_settle(self: coalesce.Coalescer, group: list[coalesce._Pending], don
         _trace.write(json.dumps(record) + "\n")
 
 
-def _traced_ack_together(self: coalesce.Coalescer, applied: list[coalesce._Pending]) -> None:
+def _traced_ack_together(
+    self: coalesce.Coalescer, applied: list[coalesce._Pending], settled: Any
+) -> None:
     started = time.time()
-    _ack_together(self, applied)
+    _ack_together(self, applied, settled)
     if _settling is not None:
         _settling["ack"] = [started, time.time()]
 

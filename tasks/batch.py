@@ -102,6 +102,25 @@ def _notify(task_id: str | None, label: str, outcome: Outcome, seq: object) -> N
     )
 
 
+def _settle_items(rt: runtime.Runtime, items: list[Any], outcomes: list[Outcome | None]) -> None:
+    """Remove the settled items' pending records, in one call to the broker."""
+    if rt.pending is None:
+        return
+    settled: list[tuple[str, int]] = []
+    for item, outcome in zip(items, outcomes, strict=True):
+        seq = _seq(item.get("seq")) if isinstance(item, dict) else None
+        if outcome is None or seq is None:
+            continue
+        session_id = outcome.get("session_id")
+        if session_id is None and isinstance(item, dict):  # dead-lettered: the item's own id
+            target = item.get("checkpoint") if item.get("op") == "save" else item
+            key = "sessionId" if item.get("op") == "save" else "session_id"
+            session_id = target.get(key) if isinstance(target, dict) else None
+        if isinstance(session_id, str) and session_id:
+            settled.append((session_id, seq))
+    rt.pending.settle(settled)
+
+
 def apply_batch(task: Task, items: object) -> Outcome:
     """Apply an ordered batch of saves and deletes; dead-letter bad items one by one."""
     if not isinstance(items, list):
@@ -143,6 +162,7 @@ def apply_batch(task: Task, items: object) -> Outcome:
             seq=_seq(item.get("seq") if isinstance(item, dict) else None),
         )
         outcomes[position] = {"outcome": "dead_lettered", "kind": "invalid_input", "entry": entry}
+    _settle_items(rt, items, outcomes)
     counts: dict[str, int] = {}
     for position, outcome in enumerate(outcomes):
         if outcome is None:  # every position got an outcome above; keeps mypy honest

@@ -200,6 +200,31 @@ def _observe(
     )
 
 
+#: Outcomes after which a request is settled: its pending record is no longer needed.
+_SETTLED = frozenset({"applied", "stale", "deleted", "dead_lettered"})
+
+
+def _settle_record(
+    task: str, outcome: Outcome, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """Remove a settled save's or delete's pending record (and older ones), one call to
+    the broker (``pending.Settler``; a batch settles its items itself)."""
+    settler = runtime.current().pending
+    if settler is None or task not in (SAVE, DELETE) or outcome.get("outcome") not in _SETTLED:
+        return
+    seq = outcome.get("seq") if outcome.get("outcome") != "dead_lettered" else None
+    seq = seq if isinstance(seq, int) else requested_seq(args, kwargs)
+    target = args[0] if args else None
+    session_id = target.get("sessionId") if isinstance(target, dict) else target
+    if seq is None or not isinstance(session_id, str):
+        return
+    try:
+        validate_session_id(session_id)
+    except InvalidInput:
+        return  # no producer of ours wrote a record for it
+    settler.settle([(session_id, seq)])
+
+
 def _keep_raw_body_to_ourselves(request: Any) -> None:
     """Take the body the consumer handed on out of the request's custom headers: it stays
     a ``request`` attribute for ``_dead_letter``, but Celery copies custom headers into a
@@ -261,6 +286,7 @@ class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
             reason = f"{type(exc).__name__}: {exc}"
             outcome = _dead_letter(self, Reason.FAILED, reason, args, kwargs)
         _observe(self, outcome, started, args, kwargs)
+        _settle_record(self.name, outcome, args, kwargs)
         return outcome
 
     def _ride_out(

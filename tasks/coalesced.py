@@ -28,6 +28,10 @@ from checkpointq.tasks.seq import accepted_seq
 #: One request as the main process hands it over: (task name, task id, protocol 2 body).
 Request = tuple[str, str, bytes]
 
+#: A request now durable, as the main process needs it to settle its pending record:
+#: (session id, the seq it was applied or superseded at).
+Settled = tuple[str, int]
+
 _NAMES = {messages.SAVE: "checkpoint", messages.DELETE: "session_id"}
 
 
@@ -50,8 +54,10 @@ def parse(task: str, task_id: str, body: bytes) -> BatchOp:
     return DeleteOp(validate_session_id(args[0]), seq, task_id)
 
 
-def apply_requests(requests: list[Request]) -> list[bool]:
-    """Apply what parses in one pipelined round trip; True for each request now durable.
+def apply_requests(requests: list[Request]) -> list[Settled | None]:
+    """Apply what parses in one pipelined round trip; for each request now durable its
+    session id and seq (the main process settles its pending record with the ack), None
+    for each one left to the task path.
 
     Raises:
         StoreUnavailable: the store could not be reached (nothing is reported done).
@@ -65,7 +71,7 @@ def apply_requests(requests: list[Request]) -> list[bool]:
             positions.append(position)
         except InvalidInput:
             continue
-    done = [False] * len(requests)
+    done: list[Settled | None] = [None] * len(requests)
     if not ops:
         return done
     results = runtime.current().store.apply_batch(ops)
@@ -73,8 +79,9 @@ def apply_requests(requests: list[Request]) -> list[bool]:
     for position, op, result in zip(positions, ops, results, strict=True):
         if isinstance(result, InvalidInput):
             continue
-        done[position] = True
         outcome = batch.item_outcome(op, result)
+        # A request sent without a seq was stamped by the store: 0 settles no record.
+        done[position] = (str(outcome["session_id"]), int(outcome.get("seq") or 0))
         task, task_id, _ = requests[position]
         _observe(task, task_id, outcome, op.seq, seconds)
     return done

@@ -16,6 +16,7 @@ from checkpointq.store.base import CheckpointStore
 from checkpointq.store.keys import KeySpace
 from checkpointq.tasks.dead_letters import DeadLetters
 from checkpointq.tasks.policy import RetryPolicy
+from checkpointq.tasks.producer.pending import Settler
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,9 +41,13 @@ class Runtime:
     reconcile_budget: int = 50_000
     #: Entries kept in the events stream.
     events_maxlen: int = 100_000
+    #: Settles the pending records on a Redis broker (None: no records on this broker).
+    pending: Settler | None = None
 
     def close(self) -> None:
         self.store.close()
+        if self.pending is not None:
+            self.pending.close()
 
 
 _lock = threading.Lock()

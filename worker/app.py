@@ -10,16 +10,19 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import redis
 from celery import Celery
 
 from checkpointq.store.errors import CheckpointError
+from checkpointq.store.keys import KeySpace
 from checkpointq.store.redis import RedisStore
-from checkpointq.store.urls import kombu_url, redact_url
+from checkpointq.store.urls import is_redis_url, kombu_url, redact_url, redis_py_url
 from checkpointq.tasks import checkpoints, runtime
 from checkpointq.tasks.brokers import BrokerKind, broker_kind, transport_options
 from checkpointq.tasks.dead_letters import DeadLetters
 from checkpointq.tasks.policy import RetryPolicy
 from checkpointq.tasks.producer.client import PUBLISH_RETRY_POLICY
+from checkpointq.tasks.producer.pending import Settler
 from checkpointq.tasks.runtime import Runtime
 from checkpointq.worker import backpressure, beat, coalesce, logs, reserve
 from checkpointq.worker import signals as _signals  # noqa: F401  # importing it connects the hooks
@@ -147,7 +150,18 @@ def build_runtime(settings: Settings) -> Runtime:
         sweep_limit=settings.sweep_limit,
         reconcile_budget=settings.reconcile_budget,
         events_maxlen=settings.events_maxlen,
+        pending=_settler(settings),
     )
+
+
+def _settler(settings: Settings) -> Settler | None:
+    """Settles the pending records our producers write on a plain Redis broker (on other
+    brokers they write none: docs/protocol.md, "Pending records")."""
+    url = settings.broker_url
+    if not url or not is_redis_url(url):
+        return None
+    broker = redis.Redis.from_url(redis_py_url(url), socket_timeout=5, socket_connect_timeout=5)
+    return Settler(broker, KeySpace(settings.key_prefix))
 
 
 def create_app(settings: Settings | None = None) -> Celery:
@@ -166,7 +180,10 @@ def create_app(settings: Settings | None = None) -> Celery:
     checkpoints.register(app)
     if settings.coalescing:
         coalesce.install(
-            app, max_items=settings.coalesce_max_items, window_ms=settings.coalesce_window_ms
+            app,
+            max_items=settings.coalesce_max_items,
+            window_ms=settings.coalesce_window_ms,
+            key_prefix=settings.key_prefix,
         )
     runtime.configure(lambda: build_runtime(settings))
     # Operations (worker/ops/metrics.py, worker/ops/health.py, worker/logs.py): the /metrics

@@ -38,6 +38,9 @@ Delivery guarantees stay exactly those of one task per message:
   of the pool process at any point leaves it to be redelivered (visibility timeout), and a
   replayed save or delete is harmless (fenced). ``tests/faults/test_coalescing.py`` kills a
   real worker mid-group and finds every save applied.
+* A group's pending records (``checkpointq.tasks.producer.pending``) are settled in the
+  round trip that acknowledges it: settle.lua rides the acks' pipeline, so loads stop
+  reading a record only once its request is durable, at no extra round trip.
 * Only the happy path is coalesced. A message the group could not apply (bad input, a value
   the store refuses, a store outage, a pool process lost mid-job) is run as the single task
   it is, by Celery's own strategy, so dead letters, retries and refusals take the one path
@@ -57,6 +60,7 @@ where kombu's channel may be used; with the threads pool the setting is ignored.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -66,13 +70,19 @@ from typing import Any
 from celery.exceptions import InvalidTaskError
 from celery.worker.strategy import default as default_strategy
 from kombu.exceptions import ContentDisallowed, DecodeError
+from redis.exceptions import NoScriptError
 
-from checkpointq.tasks import messages
-from checkpointq.tasks.coalesced import apply_requests
+from checkpointq.store.keys import KeySpace
+from checkpointq.tasks import messages, runtime
+from checkpointq.tasks.coalesced import Settled, apply_requests
+from checkpointq.tasks.producer import pending as pending_records
 from checkpointq.worker.consumer import forget_locally
 from checkpointq.worker.hooks import kombu as kombu_hooks
 
 logger = logging.getLogger(__name__)
+
+_SETTLE_SOURCE = pending_records.settle_source()
+_SETTLE_SHA = hashlib.sha1(_SETTLE_SOURCE.encode(), usedforsecurity=False).hexdigest()
 
 #: Tasks whose single requests are grouped.
 COALESCED = (messages.SAVE, messages.DELETE)
@@ -112,8 +122,12 @@ class _Pending:
 class Coalescer:
     """Groups a consumer's eligible messages and runs each group as one pool job."""
 
-    def __init__(self, consumer: Any, max_items: int, window_seconds: float) -> None:
+    def __init__(
+        self, consumer: Any, max_items: int, window_seconds: float, keys: KeySpace | None = None
+    ) -> None:
         self.consumer = consumer
+        #: Names the pending records that the acks settle.
+        self.keys = keys or KeySpace()
         self.max_items = max_items
         self.window = window_seconds
         self.slots = max(1, int(getattr(consumer.pool, "num_processes", 1) or 1))
@@ -181,12 +195,12 @@ class Coalescer:
         self._in_flight += 1
         requests = [(p.task, p.task_id, _body(p.message)) for p in group]
 
-        def on_done(done: list[bool]) -> None:
+        def on_done(done: list[Settled | None]) -> None:
             self._settle(group, done)
 
         def on_error(exc: Any) -> None:
             logger.warning("a group of %d requests failed (%s): each runs alone", len(group), exc)
-            self._settle(group, [False] * len(group))
+            self._settle(group, [None] * len(group))
 
         try:
             self.consumer.pool.apply_async(
@@ -194,21 +208,23 @@ class Coalescer:
             )
         except Exception:
             logger.exception("could not hand a group of %d requests to the pool", len(group))
-            self._settle(group, [False] * len(group))
+            self._settle(group, [None] * len(group))
 
-    def _settle(self, group: list[_Pending], done: list[bool]) -> None:
+    def _settle(self, group: list[_Pending], done: list[Settled | None]) -> None:
         self._in_flight -= 1
         # A pool process is free again: what waited for one goes first, so that the process
         # does not idle through this group's acknowledgement round trip. Writes are fenced by
         # ``seq``, so a request of this group run again as a task below may follow it.
         self._consider(at_once=True)
-        self._ack_together([p for p, ok in zip(group, done, strict=False) if ok is True])
+        applied = [(p, ok) for p, ok in zip(group, done, strict=False) if ok is not None]
+        self._ack_together([p for p, _ in applied], [ok for _, ok in applied if ok[1] > 0])
         for pending, ok in zip(group, done, strict=False):
-            if ok is not True:
+            if ok is None:
                 pending.run_as_task(self.consumer)
 
-    def _ack_together(self, applied: list[_Pending]) -> None:
-        """Acknowledge the applied requests' messages in one round trip.
+    def _ack_together(self, applied: list[_Pending], settled: list[Settled]) -> None:
+        """Acknowledge the applied requests' messages, and settle their pending records
+        (settle.lua), in one round trip.
 
         kombu's Redis QoS acknowledges a message with a ZREM and an HDEL of its delivery tag
         (``QoS._remove_from_indices``) in a pipeline of its own: one round trip per message,
@@ -228,13 +244,22 @@ class Coalescer:
             for pending in applied:
                 # Celery's ack promise, as a Request calls it: logs instead of raising.
                 pending.ack(logger, self.consumer.connection_errors)
+            settler = runtime.current().pending
+            if settled and settler is not None:
+                settler.settle(settled)  # one more round trip, off kombu's Redis QoS only
             return
         tags = [p.message.delivery_tag for p in applied]
+        keys, args = pending_records.settle_command(self.keys, settled)
         try:
             with qos.pipe_or_acquire() as pipe:
                 # What ``QoS._remove_from_indices`` does for one tag (the pinned-kombu test
-                # covers it), for every tag at once.
-                pipe.zrem(qos.unacked_index_key, *tags).hdel(qos.unacked_key, *tags).execute()
+                # covers it), for every tag at once; settle.lua rides the same round trip.
+                pipe.zrem(qos.unacked_index_key, *tags).hdel(qos.unacked_key, *tags)
+                if settled:
+                    pipe.evalsha(_SETTLE_SHA, len(keys), *keys, *args)
+                replies = pipe.execute(raise_on_error=False)
+            if settled and isinstance(replies[-1], Exception):
+                self._settle_again(qos, replies[-1], keys, args)
         except (*self.consumer.connection_errors, *self.consumer.channel_errors) as exc:
             logger.error("could not acknowledge %d applied requests: %s", len(tags), exc)
             for tag in tags:
@@ -242,6 +267,19 @@ class Coalescer:
             return
         for pending, tag in zip(applied, tags, strict=True):
             kombu_hooks.settled_as_acked(qos, pending.message, tag)
+
+    def _settle_again(self, qos: Any, error: Exception, keys: list[str], args: list[Any]) -> None:
+        """settle.lua failed in the ack pipeline: NOSCRIPT (a restarted broker) sends it
+        whole once; anything else is logged, and the records expire on their own or go
+        with the session's next settled request."""
+        if not isinstance(error, NoScriptError):
+            logger.warning("could not settle %d pending records: %s", len(keys) - 1, error)
+            return
+        with qos.pipe_or_acquire() as pipe:
+            pipe.eval(_SETTLE_SOURCE, len(keys), *keys, *args)
+            (reply,) = pipe.execute(raise_on_error=False)
+        if isinstance(reply, Exception):
+            logger.warning("could not settle %d pending records: %s", len(keys) - 1, reply)
 
 
 def _body(message: Any) -> bytes:
@@ -269,7 +307,8 @@ def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Handler:
     coalescer: Coalescer | None = getattr(consumer, "_checkpointq_coalescer", None)
     if coalescer is None:
         settings = app.conf.checkpointq_coalesce
-        coalescer = Coalescer(consumer, settings["max_items"], settings["window_seconds"])
+        keys = KeySpace(settings["key_prefix"]) if settings.get("key_prefix") else None
+        coalescer = Coalescer(consumer, settings["max_items"], settings["window_seconds"], keys)
         consumer._checkpointq_coalescer = coalescer
 
     def on_message(
@@ -284,8 +323,13 @@ def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Handler:
     return on_message
 
 
-def install(app: Any, *, max_items: int, window_ms: float) -> None:
-    """Coalesce ``app``'s single saves and deletes (``Settings.coalescing`` says when)."""
-    app.conf.checkpointq_coalesce = {"max_items": max_items, "window_seconds": window_ms / 1000}
+def install(app: Any, *, max_items: int, window_ms: float, key_prefix: str | None = None) -> None:
+    """Coalesce ``app``'s single saves and deletes (``Settings.coalescing`` says when);
+    ``key_prefix`` names the pending records the acks settle."""
+    app.conf.checkpointq_coalesce = {
+        "max_items": max_items,
+        "window_seconds": window_ms / 1000,
+        "key_prefix": key_prefix,
+    }
     for name in COALESCED:
         app.tasks[name].Strategy = f"{__name__}:strategy"

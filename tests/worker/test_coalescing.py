@@ -40,15 +40,15 @@ class Pool:
     """``num_processes`` processes; each job waits until the test answers it."""
 
     num_processes: int
-    jobs: list[tuple[list[Any], Callable[[list[bool]], None]]] = field(default_factory=list)
+    jobs: list[tuple[list[Any], Callable[[list[Any]], None]]] = field(default_factory=list)
 
     def apply_async(self, fn: Any, args: Any, callback: Any, error_callback: Any) -> None:
         self.jobs.append((args[0], callback))
 
     def answer(self, index: int = 0) -> None:
-        """The job applied every request of its group."""
+        """The job applied every request of its group (each settled as (session id, seq))."""
         requests, callback = self.jobs.pop(index)
-        callback([True] * len(requests))
+        callback([("session", 1)] * len(requests))
 
     def sizes(self) -> list[int]:
         return [len(requests) for requests, _ in self.jobs]
