@@ -123,11 +123,18 @@ class Coalescer:
     """Groups a consumer's eligible messages and runs each group as one pool job."""
 
     def __init__(
-        self, consumer: Any, max_items: int, window_seconds: float, keys: KeySpace | None = None
+        self,
+        consumer: Any,
+        max_items: int,
+        window_seconds: float,
+        keys: KeySpace | None = None,
+        settle_elsewhere: Callable[[list[Settled]], None] | None = None,
     ) -> None:
         self.consumer = consumer
         #: Names the pending records that the acks settle.
         self.keys = keys or KeySpace()
+        #: Settles records where the acks cannot carry settle.lua (no kombu Redis QoS).
+        self.settle_elsewhere = settle_elsewhere
         self.max_items = max_items
         self.window = window_seconds
         self.slots = max(1, int(getattr(consumer.pool, "num_processes", 1) or 1))
@@ -244,9 +251,8 @@ class Coalescer:
             for pending in applied:
                 # Celery's ack promise, as a Request calls it: logs instead of raising.
                 pending.ack(logger, self.consumer.connection_errors)
-            settler = runtime.current().pending
-            if settled and settler is not None:
-                settler.settle(settled)  # one more round trip, off kombu's Redis QoS only
+            if settled and self.settle_elsewhere is not None:
+                self.settle_elsewhere(settled)  # one more round trip, off kombu's Redis QoS only
             return
         tags = [p.message.delivery_tag for p in applied]
         keys, args = pending_records.settle_command(self.keys, settled)
@@ -308,7 +314,9 @@ def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Handler:
     if coalescer is None:
         settings = app.conf.checkpointq_coalesce
         keys = KeySpace(settings["key_prefix"]) if settings.get("key_prefix") else None
-        coalescer = Coalescer(consumer, settings["max_items"], settings["window_seconds"], keys)
+        coalescer = Coalescer(
+            consumer, settings["max_items"], settings["window_seconds"], keys, _settle_in_runtime
+        )
         consumer._checkpointq_coalescer = coalescer
 
     def on_message(
@@ -321,6 +329,12 @@ def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Handler:
         return None
 
     return on_message
+
+
+def _settle_in_runtime(settled: list[Settled]) -> None:
+    settler = runtime.current().pending
+    if settler is not None:
+        settler.settle(settled)
 
 
 def install(app: Any, *, max_items: int, window_ms: float, key_prefix: str | None = None) -> None:
