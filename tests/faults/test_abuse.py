@@ -8,8 +8,6 @@ per-request DEBUG line or in the dead-letter store.
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import json
 import math
 import pickle
@@ -21,9 +19,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kombu.transport import redis as kombu_redis
 
-from checkpointq.worker.hooks import kombu as kombu_hooks
 from tests.faults.harness import (
     DELETE,
     SAVE,
@@ -37,25 +33,6 @@ from tests.faults.harness import (
 from tests.support.servers import RedisServer, wait_until
 
 REFRESH = "checkpoint.refresh"
-#: sha256 of kombu 5.7.0's ``Channel._brpop_read`` source, which worker/hooks/kombu.py mirrors.
-KOMBU_BRPOP_READ_SHA256 = "c42518699709f2df90f55a048fe6346612ae5527e5c4a6819f2c0920dc62088f"
-#: sha256 of the other kombu 5.7.0 sources the reserve path mirrors: the virtual channel's
-#: ``basic_consume`` (its delivery callback, worker/hooks/kombu.py), the Redis ``QoS.append``
-#: (what worker/lua/reserve.lua records), ``Channel._brpop_start`` (the order of the
-#: queues it reads, worker/reserve.py) and the Redis ``QoS._remove_from_indices`` (the acks
-#: of a coalesced group, worker/coalesce.py).
-KOMBU_MIRRORED_SHA256 = {
-    "virtual.Channel.basic_consume": (
-        "0fec962694938b61b8a6b82bfff9c3c8baeef2f2877d64adf30a8c6fdbfca2e6"
-    ),
-    "redis.QoS.append": "35c655f6ecc62fe6e9902f7498dde9b47ff27187973d7568e02529c400027416",
-    "redis.Channel._brpop_start": (
-        "06723d707ddf224025af70ff511e07a27e1e8a37ec509e7dfa11ee408a79ccec"
-    ),
-    "redis.QoS._remove_from_indices": (
-        "980a109d54ad91365bc402650c1497bfee2ae0cd48935741ac530d88a1414b3e"
-    ),
-}
 EXPIRE = "checkpoint.expire_stale"
 
 
@@ -330,30 +307,6 @@ def test_malformed_queue_item_is_dead_lettered_and_worker_survives(
         assert (letter.task, letter.task_id) == (SAVE, named)
         record = deployment.store_client().hgetall(deployment.keys.refused(named))
         assert record[b"kind"] == b"undecodable"
-
-
-def test_guarded_reader_still_mirrors_the_pinned_kombu() -> None:
-    # worker/hooks/kombu.py copies kombu 5.7's Channel._brpop_read around its guard. If an
-    # upgrade changes kombu's reader, this fails: re-read it and update the copy.
-    source = inspect.getsource(kombu_hooks._KOMBU_BRPOP_READ)
-    assert hashlib.sha256(source.encode()).hexdigest() == KOMBU_BRPOP_READ_SHA256
-
-
-def test_reserve_path_still_mirrors_the_pinned_kombu() -> None:
-    # The reserve path (worker/reserve.py, worker/lua/reserve.lua) records and delivers
-    # messages as these kombu 5.7 functions do. If an upgrade changes one, this fails:
-    # re-read it and update the copy.
-    mirrored = {
-        "virtual.Channel.basic_consume": kombu_hooks._KOMBU_VIRTUAL_BASIC_CONSUME,
-        "redis.QoS.append": kombu_redis.QoS.append,
-        "redis.Channel._brpop_start": kombu_hooks._KOMBU_BRPOP_START,
-        "redis.QoS._remove_from_indices": kombu_redis.QoS._remove_from_indices,
-    }
-    digests = {
-        name: hashlib.sha256(inspect.getsource(function).encode()).hexdigest()
-        for name, function in mirrored.items()
-    }
-    assert digests == KOMBU_MIRRORED_SHA256
 
 
 # -- hostile session ids --------------------------------------------------------------------

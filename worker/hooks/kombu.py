@@ -2,7 +2,12 @@
 bookkeeping accessors the worker's reserve, coalescing, ack and health code go through.
 
 Nothing else in checkpointq reaches past kombu's public API; when kombu changes, this module
-is the one to re-read.
+is the one to re-read. ``install()`` puts the hooks in only on a kombu line they are proven on
+(``PROVEN``: the sha256 of every kombu function they copy or whose attributes they read, per
+line; ``scripts/test-matrix`` runs the worker, coalescing and fault tests on the lowest and
+highest) and when a self-test of those attributes passes. Anywhere else the worker keeps
+kombu's stock reader and per-message acks (coalescing still groups what that reader
+delivers) and logs one line saying why.
 
 Keep one malformed queue item from stopping a worker: dead-letter it instead.
 
@@ -48,13 +53,17 @@ it accepts, refuses or repairs is exactly as before.
 from __future__ import annotations
 
 import binascii
+import hashlib
 import inspect
 import logging
 from dataclasses import dataclass
+from functools import cache
 from queue import Empty
 from time import monotonic
 from typing import Any
 
+import kombu
+from kombu import message as kombu_message
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.json import loads as kombu_loads
@@ -250,7 +259,8 @@ def _brpop_start(self: Any, timeout: Any = None) -> None:
         return  # the main process holds its byte budget: next turn, after an ack frees some
     room = self.qos.can_consume_max_estimate()
     if not reading.busy or (room is not None and room < reserve.MIN_ROOM) or not _reserving(self):
-        _KOMBU_BRPOP_START(self, timeout)
+        # kombu 5.5 defaults to a 1 s BRPOP, 5.6 on to the channel's brpop_timeout
+        _KOMBU_BRPOP_START(self) if timeout is None else _KOMBU_BRPOP_START(self, timeout)
         return
     queues = self._queue_cycle.consume(len(self.active_queues))
     if not queues:
@@ -292,7 +302,7 @@ def _read_reserved(self: Any, sent: reserve.Request, **options: Any) -> bool:
             raise Empty() from None
     finally:
         self._in_poll = None
-        self._flush_brpop_reauth()
+        _flush_reauth(self)
     batch = sent.parse(reply)
     reading.busy = len(batch) >= sent.limit
     if not batch:
@@ -330,15 +340,24 @@ def _guarded_brpop_read(self: Any, **options: Any) -> bool:
         return True
     finally:
         self._in_poll = None
-        self._flush_brpop_reauth()
+        _flush_reauth(self)
 
 
-def install() -> None:
-    """Use the guarded reader in this process's Redis channels (idempotent)."""
+def install() -> bool:
+    """Use the guarded reader in this process's Redis channels, where proven (idempotent).
+
+    Returns False, having logged why once per process, on a kombu the hooks are not proven
+    on: its stock reader then stays in place.
+    """
+    why = refusal()
+    if why is not None:
+        _announce_stock_path(why)
+        return False
     kombu_redis.Channel._brpop_read = _guarded_brpop_read  # type: ignore[method-assign]
     kombu_redis.Channel._brpop_start = _brpop_start  # type: ignore[method-assign]
     kombu_redis.Channel.basic_consume = _basic_consume  # type: ignore[method-assign]
     kombu_redis.Channel.codecs = _CODECS
+    return True
 
 
 def installed() -> bool:
@@ -379,6 +398,8 @@ def forget_locally(channel: Any, tag: Any) -> None:
 def unacked_indices(channel: Any) -> Any | None:
     """The channel's QoS when it keeps kombu's Redis ``unacked`` hash and index (what
     ``QoS._remove_from_indices`` removes a tag from), else None."""
+    if not installed():
+        return None  # not proven on this kombu: its own ack, one message at a time
     qos: Any = getattr(channel, "qos", None)
     return qos if getattr(qos, "_remove_from_indices", None) is not None else None
 
@@ -388,3 +409,118 @@ def settled_as_acked(qos: Any, message: Any, tag: Any) -> None:
     would: the QoS forgets the tag and the message counts as acknowledged."""
     qos._quick_ack(tag)
     message._state = "ACK"
+
+
+# -- the version check and self-test -----------------------------------------------------
+
+
+def _flush_reauth(channel: Any) -> None:
+    """kombu 5.7's flush of a pending streaming re-auth token; older lines have none."""
+    flush = getattr(channel, "_flush_brpop_reauth", None)
+    if flush is not None:
+        flush()
+
+
+#: The kombu functions the hooks copy (the reader, the delivery callback, the reserve
+#: script's records, the grouped ack) or whose attributes they read.
+_MIRRORED: dict[str, Any] = {
+    "redis.Channel._brpop_read": _KOMBU_BRPOP_READ,
+    "redis.Channel._brpop_start": _KOMBU_BRPOP_START,
+    "redis.Channel.basic_consume": _KOMBU_BASIC_CONSUME,
+    "redis.Channel._q_for_pri": kombu_redis.Channel._q_for_pri,
+    "redis.QoS.append": kombu_redis.QoS.append,
+    "redis.QoS._remove_from_indices": kombu_redis.QoS._remove_from_indices,
+    "virtual.Channel.basic_consume": _KOMBU_VIRTUAL_BASIC_CONSUME,
+    "virtual.QoS.__init__": virtual.QoS.__init__,
+    "virtual.QoS.append": _VIRTUAL_QOS_APPEND,
+    "virtual.Transport._deliver": virtual.Transport._deliver,
+    "Message.ack": kombu_message.Message.ack,
+}
+
+#: What every proven line shares.
+_SHARED = {
+    "redis.Channel.basic_consume": "34e0da85e689ff98",
+    "redis.Channel._q_for_pri": "f3997660680dd00f",
+    "redis.QoS.append": "35c655f6ecc62fe6",
+    "redis.QoS._remove_from_indices": "980a109d54ad9136",
+    "virtual.Channel.basic_consume": "0fec962694938b61",
+    "virtual.QoS.__init__": "86388d33d7d6fb40",
+    "virtual.QoS.append": "b388f0cd6485c28a",
+    "virtual.Transport._deliver": "799e242f3ec53863",
+    "Message.ack": "b923c3d730afbd0b",
+}
+
+#: The sha256 (first 16 hex digits) of each ``_MIRRORED`` function's source, per kombu line
+#: the hooks are proven on (5.5 and 5.6: no re-auth flush; 5.6 and 5.7 changed
+#: ``_brpop_start``'s timeout).
+PROVEN: dict[tuple[int, int], dict[str, str]] = {
+    (5, 5): {
+        **_SHARED,
+        "redis.Channel._brpop_read": "9a9f7f5a6ad96f48",
+        "redis.Channel._brpop_start": "1d125c1e720ad5a6",
+    },
+    (5, 6): {
+        **_SHARED,
+        "redis.Channel._brpop_read": "9a9f7f5a6ad96f48",
+        "redis.Channel._brpop_start": "f2f311d862e9db9b",
+    },
+    (5, 7): {
+        **_SHARED,
+        "redis.Channel._brpop_read": "c42518699709f2df",
+        "redis.Channel._brpop_start": "06723d707ddf2240",
+    },
+}
+
+
+def _digest(function: Any) -> str:
+    return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()[:16]
+
+
+def _self_test() -> str | None:
+    """Why the attributes the hooks read are not what they expect, or None."""
+    qos = virtual.QoS(_ProbeChannel())  # type: ignore[no-untyped-call]
+    try:
+        for name in ("_delivered", "_dirty", "_quick_ack"):
+            if not hasattr(qos, name):
+                return f"kombu's virtual QoS has no {name}"
+        qos._quick_ack("probe")
+        if "probe" not in qos._dirty:
+            return "kombu's QoS._quick_ack no longer marks a tag settled"
+        return None
+    finally:
+        finalizer = getattr(qos, "_on_collect", None)  # its restore at exit: nothing to restore
+        if finalizer is not None:
+            finalizer.cancel()
+
+
+class _ProbeChannel:
+    """The least of a channel a ``QoS`` needs to be made (and finalized) in the self-test."""
+
+    do_restore = False
+
+
+@cache
+def refusal() -> str | None:
+    """Why the hooks must not go in on the installed kombu, or None: they are proven there."""
+    line = (int(kombu.VERSION[0]), int(kombu.VERSION[1]))
+    expected = PROVEN.get(line)
+    if expected is None:
+        proven = ", ".join(f"{major}.{minor}" for major, minor in PROVEN)
+        return f"kombu {kombu.__version__} is not a line they are proven on ({proven})"
+    try:
+        changed = [name for name, f in _MIRRORED.items() if _digest(f) != expected[name]]
+    except (OSError, TypeError) as exc:  # no source shipped (a frozen or zipped install)
+        return f"kombu {kombu.__version__}'s source cannot be read ({exc})"
+    if changed:
+        return f"kombu {kombu.__version__} changed {', '.join(changed)}"
+    return _self_test()
+
+
+@cache
+def _announce_stock_path(why: str) -> None:
+    logger.warning(
+        "kombu hooks off: %s; the worker reads with kombu's stock Redis reader (one message "
+        "per BRPOP, one ack each, and an item that is not a Celery message stops it as it "
+        "stops stock Celery)",
+        why,
+    )
