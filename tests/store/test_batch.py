@@ -87,7 +87,7 @@ def test_an_empty_batch_does_nothing(store: CheckpointStore) -> None:
 
 
 def test_a_redis_batch_is_one_round_trip(store_env: StoreEnv) -> None:
-    if store_env.backend not in ("redis", "redis-staged", "fakeredis"):
+    if store_env.backend not in ("redis", "redis-staged", "redis-pipeline", "fakeredis"):
         pytest.skip("counts the writes to a single Redis")
     store = _fresh_store(store_env)
     assert isinstance(store, RedisStore)
