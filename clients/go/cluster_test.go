@@ -331,3 +331,70 @@ func TestClusterAdapterFollowsASKWhileASlotMigrates(t *testing.T) {
 		t.Fatalf("slot %d mapped to %s after an ASK, want %s still", slot, store.slots[slot], from.Addr)
 	}
 }
+
+func TestClusterStoreLoadsAndListsWhatTheQueueHolds(t *testing.T) {
+	// Given sessions on every node, half of them stored
+	c, store := newClusterClient[Checkpoint](t, Config{})
+	held, _ := newClusterClient[Checkpoint](t, Config{Queue: "held-" + t.Name()})
+	ctx := background(t)
+	ids := clusterIDs(t, store, 2)
+	for _, id := range ids[:len(ids)/2] {
+		h, err := c.SaveAsync(ctx, sampleCheckpoint(id, 1, "stored"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		mustWait(t, c, h, Applied)
+	}
+	// When every other session is deleted and the rest saved anew, on a queue no worker reads
+	var handles []Handle
+	want := map[string]*Checkpoint{}
+	for i, id := range ids {
+		var h Handle
+		var err error
+		if i%2 == 0 {
+			h, err = held.DeleteAsync(ctx, id)
+		} else {
+			want[id] = sampleCheckpoint(id, int64(100+i), "pending")
+			h, err = held.SaveAsync(ctx, want[id])
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		handles = append(handles, h)
+	}
+	// Then loads and List show the pending requests, before and after the worker applies them
+	for _, when := range []string{"queued", "applied"} {
+		if when == "applied" {
+			d := clusterDeploymentFor(t)
+			for {
+				moved, err := d.broker.Do("RPOPLPUSH", held.cfg.Queue, "checkpoints")
+				if err != nil {
+					t.Fatal(err)
+				}
+				if moved == nil {
+					break
+				}
+			}
+			for _, h := range handles {
+				mustWait(t, c, h, Applied)
+			}
+		}
+		listed, err := c.List(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		inList := map[string]bool{}
+		for _, id := range listed {
+			inList[id] = true
+		}
+		for _, id := range ids {
+			got, err := c.Load(ctx, id)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if w := want[id]; normalise(got) != normalise(w) || inList[id] != (w != nil) {
+				t.Fatalf("%s: %q loaded %+v (listed %v), want %+v", when, id, got, inList[id], w)
+			}
+		}
+	}
+}
