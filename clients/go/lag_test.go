@@ -1,10 +1,13 @@
 package checkpointq
 
 import (
+	"errors"
 	"fmt"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/gomodule/redigo/redis"
 )
 
 // Issue 22's two scenarios, each with a deployment of its own (the outage must not stop
@@ -14,35 +17,85 @@ import (
 
 const lagOutage = 60 * time.Second
 
-// lagDeployment is a broker, a store (the broker itself when oneRedis) and a worker.
+// lagDeployment is a broker, a store (the broker itself when oneRedis; a Redis Cluster
+// when cluster is set) and a worker.
 type lagDeployment struct {
 	broker, store *redisServer
+	cluster       *localCluster
 	oneRedis      bool
 	worker        *worker
 }
 
-func startLagDeployment(t *testing.T, oneRedis bool) *lagDeployment {
+type storeLayout int
+
+const (
+	oneRedis storeLayout = iota
+	storeOfItsOwn
+	clusterStore
+)
+
+func startLagDeployment(t *testing.T, layout storeLayout) *lagDeployment {
 	t.Helper()
-	d := &lagDeployment{oneRedis: oneRedis}
+	d := &lagDeployment{oneRedis: layout == oneRedis}
 	var err error
 	if d.broker, err = startRedis(); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(d.broker.Stop)
-	d.store = d.broker
-	if !oneRedis {
+	switch layout {
+	case oneRedis:
+		d.store = d.broker
+	case storeOfItsOwn:
 		if d.store, err = startRedis(); err != nil {
 			t.Fatal(err)
 		}
 		t.Cleanup(d.store.Stop)
+	case clusterStore:
+		if d.cluster, err = startCluster(3); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(d.cluster.Stop)
 	}
 	d.startWorker(t)
 	return d
 }
 
+func (d *lagDeployment) storeURL() string {
+	if d.cluster != nil {
+		return d.cluster.URL()
+	}
+	return d.store.URL()
+}
+
+// stored reads id's checkpoint from the store itself (nil: none).
+func (d *lagDeployment) stored(t *testing.T, id string) *Checkpoint {
+	t.Helper()
+	if d.cluster == nil {
+		return stored(t, d.store, id)
+	}
+	c := newRedigoCluster(d.cluster.Addrs())
+	defer c.Close()
+	value, err := redis.Bytes(c.Do(background(t), "GET", DefaultPrefix+":"+id))
+	if errors.Is(err, redis.ErrNil) {
+		return nil
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	doc, err := decodeValue(value)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cp, err := DeserializeCheckpoint(doc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cp
+}
+
 func (d *lagDeployment) startWorker(t *testing.T) {
 	t.Helper()
-	w, err := startWorker(d.broker.URL(), d.store.URL())
+	w, err := startWorker(d.broker.URL(), d.storeURL())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -60,7 +113,12 @@ func (d *lagDeployment) replica(t *testing.T) *Client[Checkpoint] {
 	broker := newRedigo(d.broker.Addr)
 	t.Cleanup(func() { _ = broker.Close() })
 	cfg := Config{Broker: broker}
-	if !d.oneRedis {
+	switch {
+	case d.cluster != nil:
+		store := newRedigoCluster(d.cluster.Addrs())
+		t.Cleanup(func() { _ = store.Close() })
+		cfg.Store, cfg.Cluster = store, true
+	case !d.oneRedis:
 		store := newRedigo(d.store.Addr)
 		t.Cleanup(func() { _ = store.Close() })
 		cfg.Store = store
@@ -124,7 +182,7 @@ func turnsThroughAnOutage(t *testing.T, d *lagDeployment, begin, end func()) {
 				t.Fatalf("%s after %s of outage: Load = %s; want %s", name, time.Since(began).Round(time.Second), contents(cp), want)
 			}
 		}
-		if s := stored(t, d.store, id); s == nil || s.Version != 5 {
+		if s := d.stored(t, id); s == nil || s.Version != 5 {
 			t.Fatalf("the store moved during the outage (%s): no outage", contents(s))
 		}
 		time.Sleep(5 * time.Second) // paces the checks through the outage
@@ -132,13 +190,13 @@ func turnsThroughAnOutage(t *testing.T, d *lagDeployment, begin, end func()) {
 	end()
 
 	err = pollUntil(120*time.Second, "turn 7 in the store", func() bool {
-		s := stored(t, d.store, id)
+		s := d.stored(t, id)
 		return s != nil && s.Version == 7
 	})
 	if err != nil {
-		t.Fatalf("%v: the store holds %s", err, contents(stored(t, d.store, id)))
+		t.Fatalf("%v: the store holds %s", err, contents(d.stored(t, id)))
 	}
-	if got := contents(stored(t, d.store, id)); got != want {
+	if got := contents(d.stored(t, id)); got != want {
 		t.Fatalf("the store holds %s; want %s", got, want)
 	}
 	for name, c := range map[string]*Client[Checkpoint]{"A": a, "B": b} {
@@ -151,7 +209,7 @@ func turnsThroughAnOutage(t *testing.T, d *lagDeployment, begin, end func()) {
 func TestEveryTurnLandsThroughAWorkerOutage(t *testing.T) {
 	t.Parallel()
 	// One Redis as broker and store: a load is one script call.
-	d := startLagDeployment(t, true)
+	d := startLagDeployment(t, oneRedis)
 	turnsThroughAnOutage(t, d, d.worker.Stop, func() { d.startWorker(t) })
 }
 
@@ -159,7 +217,7 @@ func TestEveryTurnLandsThroughAStoreWriteOutage(t *testing.T) {
 	t.Parallel()
 	// A store of its own that refuses writes (maxmemory reached, no eviction) and still
 	// serves reads, while the worker keeps running.
-	d := startLagDeployment(t, false)
+	d := startLagDeployment(t, storeOfItsOwn)
 	config := func(value string) {
 		if _, err := d.store.Do("CONFIG", "SET", "maxmemory", value); err != nil {
 			t.Fatal(err)
@@ -175,4 +233,11 @@ func TestEveryTurnLandsThroughAStoreWriteOutage(t *testing.T) {
 		}
 	}
 	turnsThroughAnOutage(t, d, begin, func() { config("0") })
+}
+
+func TestEveryTurnLandsThroughAWorkerOutageOnAClusterStore(t *testing.T) {
+	t.Parallel()
+	// A three-master Redis Cluster store, a single-Redis broker: a load is a call to each.
+	d := startLagDeployment(t, clusterStore)
+	turnsThroughAnOutage(t, d, d.worker.Stop, func() { d.startWorker(t) })
 }
