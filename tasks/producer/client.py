@@ -1,7 +1,9 @@
 """The producer client for API servers: enqueue by task name, wait for durability, read.
 
-Light on purpose: it imports no task code and needs no result backend. On a Redis broker it
-writes Celery protocol 2 messages itself and LPUSHes them (``fast_publish``: the stock
+Light on purpose: it imports no task code, needs no result backend, and on a Redis broker no
+Celery either (``pip install checkpointq`` brings none: Celery comes with the worker's extra,
+``checkpointq[worker]``). On a Redis broker it writes Celery protocol 2 messages itself and
+LPUSHes them (``fast_publish``: the stock
 worker reads them as it reads ``send_task``'s, at a fraction of the producer's cost); on any
 other broker it publishes with Celery's ``send_task``. It stamps every save and delete with
 a causal ``seq`` (``clock``: after every fence this process has read for the session, so
@@ -26,11 +28,9 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
-from celery import Celery
-from kombu.exceptions import OperationalError
 
 from checkpointq.store.base import CheckpointStore, EncodedCheckpoint, Fence, StoreOptions
 from checkpointq.store.errors import InvalidInput
@@ -47,6 +47,9 @@ from checkpointq.tasks.messages import DELETE, EXPIRE_STALE, REFRESH, SAVE
 from checkpointq.tasks.producer import fast_publish
 from checkpointq.tasks.producer.clock import SeqClock, seq_clock
 from checkpointq.tasks.producer.outcomes import RequestOutcome, decide
+
+if TYPE_CHECKING:
+    from celery import Celery
 from checkpointq.tasks.producer.pending import DELETE_OP, SAVE_OP, PendingRecords, RecordWrite
 
 #: How hard a publish tries while the broker is unreachable (kombu retry policy): about
@@ -174,7 +177,21 @@ class CheckpointClient:
             self._app = self._celery_app()
 
     def _celery_app(self) -> Celery:
-        """A private app used only to publish: JSON, protocol 2, no result backend."""
+        """A private app used only to publish: JSON, protocol 2, no result backend.
+
+        Celery is imported here, not with the module: on a Redis broker the producer needs
+        none, and ``pip install checkpointq`` leaves whatever Celery the user runs alone.
+
+        Raises:
+            ImportError: Celery is not installed (it comes with ``checkpointq[worker]``).
+        """
+        try:
+            from celery import Celery
+        except ImportError as exc:
+            raise ImportError(
+                f"publishing to {self._display_url} goes through Celery, which is not "
+                "installed: pip install 'checkpointq[worker]' (or any celery>=5.3)"
+            ) from exc
         app = Celery("checkpointq-client", broker=kombu_url(self._broker_url), set_as_current=False)
         app.conf.update(
             task_serializer="json",
@@ -343,6 +360,8 @@ class CheckpointClient:
         kwargsrepr: str,
         task_id: str | None = None,
     ) -> str:
+        from kombu.exceptions import OperationalError  # installed with Celery
+
         if self._app is None:
             self._app = self._celery_app()
         try:

@@ -55,7 +55,8 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", base / "dist", ROOT)
     (wheel,) = (base / "dist").glob("checkpointq-*.whl")
     _run(sys.executable, "-m", "venv", base / "venv")
-    _run(base / "venv" / "bin" / "python", "-m", "pip", "install", "-q", wheel)
+    # The worker's extra: `up` runs a worker and beat.
+    _run(base / "venv" / "bin" / "python", "-m", "pip", "install", "-q", f"{wheel}[worker]")
     return base / "venv" / "bin"
 
 

@@ -1,0 +1,134 @@
+"""Acceptance: ``pip install checkpointq`` beside the Celery an API server already runs leaves
+that Celery (and everything else installed) as it was, and the producer's saves are applied.
+
+For each Celery an API server may run (5.4.0 with kombu 5.4.2, 5.5.3 with kombu 5.5.4), a
+fresh venv gets ``celery[redis]`` at that version, then the wheel built from this checkout
+(its base install: no extra). pip must change no installed package; the producer, run in
+that venv, saves checkpoints through a private Redis broker, and a real worker (this
+checkout's) applies them. pip uses the machine's configured indexes and caches; the test
+skips only when pip cannot reach any index for Celery at all (a machine without network),
+never on any other failure.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.celery_processes import CeleryProcess, checkpointq_env
+from tests.support.servers import RedisServer
+from tests.support.workers import TEST_WORKER_SETTINGS
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Seconds for one pip command (a resolve from the index on a loaded machine).
+PIP_TIMEOUT = 300
+
+#: Celery releases an API server may run, with the kombu they install.
+USER_CELERY = [("5.4.0", "5.4.2"), ("5.5.3", "5.5.4")]
+
+#: Run in the user's venv: save checkpoints, wait until each is applied, print their versions.
+PRODUCER = """
+import sys
+from checkpointq.store.model import Checkpoint
+from checkpointq.store.redis import RedisStore
+from checkpointq.tasks.producer.client import CheckpointClient
+
+broker_url, store_url, tag = sys.argv[1:4]
+with CheckpointClient(broker_url, RedisStore.from_url(store_url)) as client:
+    handles = [
+        client.save(Checkpoint(session_id=f"{tag}-{i}", version=i + 1)) for i in range(20)
+    ]
+    for handle in handles:
+        client.wait_durable(handle, timeout=60)
+    print(sorted(client.load(f"{tag}-{i}").version for i in range(20)))
+"""
+
+
+def _pip(python: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(python), "-m", "pip", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=PIP_TIMEOUT,
+        check=False,
+    )
+
+
+def _installed(python: Path) -> dict[str, str]:
+    """Every distribution in the venv, by normalised name, with its version."""
+    done = _pip(python, "list", "--format=freeze")
+    assert done.returncode == 0, done.stderr
+    pairs = (line.split("==", 1) for line in done.stdout.splitlines() if "==" in line)
+    return {name.lower().replace("_", "-"): version for name, version in pairs}
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dist = tmp_path_factory.mktemp("dist")
+    built = _pip(Path(sys.executable), "wheel", "--no-deps", "-q", "-w", dist, ROOT)
+    assert built.returncode == 0, built.stderr
+    (found,) = dist.glob("checkpointq-*.whl")
+    return found
+
+
+@pytest.fixture(scope="module")
+def worker(broker_server: RedisServer, store_server: RedisServer) -> Iterator[CeleryProcess]:
+    values = {
+        **TEST_WORKER_SETTINGS,
+        "broker_url": broker_server.url,
+        "store_url": store_server.url,
+    }
+    process = CeleryProcess("worker", checkpointq_env(**values)).start()
+    try:
+        yield process
+    finally:
+        code = process.stop()
+        print(f"--- worker log (exit {code}) ---\n{process.log()}")
+
+
+@pytest.mark.parametrize(("celery", "kombu"), USER_CELERY)
+def test_installing_beside_a_users_celery_changes_nothing_and_saves_are_applied(
+    celery: str,
+    kombu: str,
+    wheel: Path,
+    worker: CeleryProcess,
+    broker_server: RedisServer,
+    store_server: RedisServer,
+    tmp_path: Path,
+) -> None:
+    # Given an API server's venv with its own Celery
+    subprocess.run([sys.executable, "-m", "venv", tmp_path / "venv"], check=True, timeout=120)
+    python = tmp_path / "venv" / "bin" / "python"
+    before_install = _pip(python, "install", "-q", f"celery[redis]=={celery}", f"kombu=={kombu}")
+    if before_install.returncode != 0 and "No matching distribution" in before_install.stderr:
+        pytest.skip(f"no package index reachable for celery {celery}: {before_install.stderr}")
+    assert before_install.returncode == 0, before_install.stderr
+    before = _installed(python)
+    assert (before["celery"], before["kombu"]) == (celery, kombu)
+
+    # When checkpointq is installed into it (no extra: the producer and the store)
+    added = _pip(python, "install", "-q", wheel)
+    assert added.returncode == 0, added.stderr
+
+    # Then pip changed nothing that was there, Celery and kombu included
+    after = _installed(python)
+    assert {name: after.get(name) for name in before} == before
+    assert "checkpointq" in after
+
+    # And the producer's saves, sent from that venv, are applied by a worker
+    produced = subprocess.run(
+        [python, "-c", PRODUCER, broker_server.url, store_server.url, f"celery-{celery}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert produced.returncode == 0, f"{produced.stdout}\n{produced.stderr}\n{worker.log()}"
+    assert produced.stdout.strip() == str(list(range(1, 21)))
