@@ -52,6 +52,21 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
+def refused(exc: BaseException) -> str | None:
+    """Why the server refused a write, when ``exc`` is such an answer (out of memory,
+    read-only, cannot persist, ...); None for anything else (unreachable, a bad command)."""
+    text = str(exc).strip()
+    if any(isinstance(exc, cls) for cls, _ in _REFUSAL_CLASSES):
+        return describe(exc)
+    # A command in a pipeline is reported as "Command # 1 (...) of pipeline caused error: ..."
+    # with redis-py's class for its code: the classes above catch those.
+    if isinstance(exc, redis_errors.ResponseError) and text.split(" ", 1)[0].upper() in (
+        _REFUSAL_CODES
+    ):
+        return describe(exc)
+    return None
+
+
 def write_refusal(client: Any, key: str) -> str | None:
     """None when ``client``'s Redis accepted a write to ``key``; else why it did not.
 

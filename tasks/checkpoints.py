@@ -340,7 +340,16 @@ class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
         )
         _observe(self, {"outcome": "retried"}, None, args, kwargs)
         # Publishes a copy with an ETA and acknowledges this one; raises celery's Retry.
-        raise self.retry(exc=exc, countdown=countdown, max_retries=None)
+        try:
+            raise self.retry(exc=exc, countdown=countdown, max_retries=None)
+        except Reject as unpublished:
+            # Celery rejects the message *without* requeue when the retry cannot be
+            # published (a broker out of memory or read-only): that would drop it. Give it
+            # back instead; if the broker refuses that too, it stays unacknowledged and is
+            # redelivered (worker/consumer.py).
+            if unpublished.requeue:
+                raise
+            self._requeue(f"its retry could not be published: {unpublished.reason}", args, kwargs)
 
 
 def register(app: Celery) -> None:

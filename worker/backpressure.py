@@ -1,4 +1,4 @@
-"""Backpressure: while the store refuses writes, the worker takes no messages.
+"""Backpressure: while the store or the broker refuses writes, the worker takes no messages.
 
 A request may leave the broker only once it is applied, superseded, or recorded where an
 operator can replay it. During a store outage none of the three can happen, so the broker
@@ -23,6 +23,14 @@ adds them back. Meanwhile:
   written, ``worker/consumer.py`` and ``worker/hooks/kombu.py``) trips the gate at once with
   ``trip()``, without waiting for the next probe.
 
+The broker is probed the same way, with a write of its own (a Redis broker: out of
+memory, read-only replica, ``MISCONF``; only its answer counts, as an unreachable broker is
+kombu's to reconnect to). A refused ack, reject or requeue of a message the worker holds
+(``worker/consumer.py``, ``worker/coalesce.py``) trips the gate with ``trip_broker()``: the
+message stays in the broker's ``unacked`` hash and is redelivered, and the worker holds still
+until the broker accepts writes again. When broker and store are one Redis (the default
+layout) both sides pause and resume together.
+
 A broker reconnection restarts the consumer's steps: the new gate starts open and probes at
 once.
 """
@@ -39,6 +47,7 @@ from redis import exceptions as redis_errors
 
 from checkpointq.store import probe
 from checkpointq.worker import connections
+from checkpointq.worker.ops import broker_probe
 from checkpointq.worker.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -48,52 +57,73 @@ PROBE_TIMEOUT = 1.0
 
 Probe = Callable[[], "str | None"]
 
+#: The sides a gate probes, as its log lines and ``checkpointq health`` name them.
+STORE, BROKER = "store", "broker"
+
 
 class StoreGate:
-    """Cancels the task consumer's queues while the store refuses writes; adds them back."""
+    """Cancels the task consumer's queues while the store or the broker refuses writes;
+    adds them back once both accept them."""
 
-    def __init__(self, consumer: Any, probe_write: Probe) -> None:
+    def __init__(
+        self, consumer: Any, probe_write: Probe, probe_broker: Probe | None = None
+    ) -> None:
         self.consumer = consumer
-        self.probe_write = probe_write
-        #: Why the store refuses writes, while paused; None while consuming.
-        self.refusal: str | None = None
+        self.probes: dict[str, Probe] = {STORE: probe_write}
+        if probe_broker is not None:
+            self.probes[BROKER] = probe_broker
+        #: Why each refusing side refuses writes, while paused; empty while consuming.
+        self.refusals: dict[str, str] = {}
         self._paused_at = 0.0
         self._queues: list[Any] = []
 
     @property
     def paused(self) -> bool:
-        return self.refusal is not None
+        return bool(self.refusals)
+
+    @property
+    def refusal(self) -> str | None:
+        """Why the worker is paused ("broker refusing writes: ..."), or None."""
+        if not self.refusals:
+            return None
+        return "; ".join(f"{side} refusing writes: {why}" for side, why in self.refusals.items())
 
     def tick(self) -> None:
-        """Probe the store, then pause or resume accordingly (the consumer's timer)."""
-        refusal = self.probe_write()
-        if refusal is None:
-            self._resume()
+        """Probe each side, then pause or resume accordingly (the consumer's timer)."""
+        refusals = {
+            side: why for side, probe_write in self.probes.items() if (why := probe_write())
+        }
+        if refusals:
+            for side, why in refusals.items():
+                self._pause(side, why)
+            for side in set(self.refusals) - set(refusals):
+                del self.refusals[side]
         else:
-            self._pause(refusal)
+            self._resume()
 
-    def trip(self, why: str) -> None:
-        """Pause now: this process just saw the store refuse a write."""
-        self._pause(why)
+    def trip(self, why: str, side: str = STORE) -> None:
+        """Pause now: this process just saw ``side`` refuse a write."""
+        self._pause(side, why)
 
-    def _pause(self, refusal: str) -> None:
-        if self.refusal is None:
+    def _pause(self, side: str, refusal: str) -> None:
+        if not self.refusals:
             task_consumer = self.consumer.task_consumer
             self._queues = list(task_consumer.queues)
             for queue in self._queues:
                 task_consumer.cancel_by_queue(queue.name)
             self._paused_at = time.monotonic()
-            names = ", ".join(q.name for q in self._queues)
+        if side not in self.refusals:
             logger.warning(
-                "store refusing writes (%s): stopped taking messages from %s until it "
+                "%s refusing writes (%s): stopped taking messages from %s until it "
                 "accepts one (probed every few seconds)",
+                side,
                 refusal,
-                names,
+                ", ".join(q.name for q in self._queues),
             )
-        self.refusal = refusal
+        self.refusals[side] = refusal
 
     def _resume(self) -> None:
-        if self.refusal is None:
+        if not self.refusals:
             return
         task_consumer = self.consumer.task_consumer
         for queue in self._queues:
@@ -101,12 +131,16 @@ class StoreGate:
                 task_consumer.add_queue(queue)
         task_consumer.consume()
         paused = time.monotonic() - self._paused_at
+        sides = sorted(self.refusals)
         logger.warning(
-            "store accepts writes again after %.1fs: taking messages from %s again",
+            "%s again after %.1fs: taking messages from %s again",
+            f"{sides[0]} accepts writes"
+            if len(sides) == 1
+            else f"{' and '.join(sides)} accept writes",
             paused,
             ", ".join(q.name for q in self._queues),
         )
-        self.refusal, self._queues = None, []
+        self.refusals, self._queues = {}, []
 
 
 class _StoreProbe:
@@ -131,6 +165,25 @@ class _StoreProbe:
             self.client = None
 
 
+class _BrokerProbe:
+    """The worker's write probe of its broker: ``broker_probe``'s, made on first use."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.key = connections.key_space(settings).write_probe()
+        self.probe: broker_probe.BrokerProbe | None = None
+
+    def __call__(self) -> str | None:
+        if self.probe is None:
+            self.probe = broker_probe.open_probe(self.settings, timeout=PROBE_TIMEOUT)
+        return self.probe.write_refusal(self.key)
+
+    def close(self) -> None:
+        if self.probe is not None:
+            self.probe.close()
+            self.probe = None
+
+
 #: The gate of this process's consumer, for ``trip()`` (one consumer per worker process).
 _current: StoreGate | None = None
 
@@ -139,6 +192,12 @@ def trip(why: str) -> None:
     """Tell this process's gate, if any, that the store just refused a write."""
     if _current is not None:
         _current.trip(why)
+
+
+def trip_broker(why: str) -> None:
+    """Tell this process's gate, if any, that the broker just refused a write."""
+    if _current is not None:
+        _current.trip(why, BROKER)
 
 
 def current() -> StoreGate | None:
@@ -155,12 +214,15 @@ def install(app: Celery, settings: Settings) -> None:
 
         def __init__(self, consumer: Any, **kwargs: Any) -> None:
             self._probe: _StoreProbe | None = None
+            self._broker: _BrokerProbe | None = None
             self._tref: Any = None
 
         def start(self, consumer: Any) -> None:
             global _current
-            self._probe = _StoreProbe(connections.resolve(settings))
-            gate = StoreGate(consumer, self._probe)
+            resolved = connections.resolve(settings)
+            self._probe = _StoreProbe(resolved)
+            self._broker = _BrokerProbe(resolved)
+            gate = StoreGate(consumer, self._probe, self._broker)
             _current = gate
             gate.tick()
             self._tref = consumer.timer.call_repeatedly(settings.store_probe_seconds, gate.tick)
@@ -174,6 +236,9 @@ def install(app: Celery, settings: Settings) -> None:
             if self._probe is not None:
                 self._probe.close()
                 self._probe = None
+            if self._broker is not None:
+                self._broker.close()
+                self._broker = None
 
         shutdown = stop
 

@@ -70,12 +70,15 @@ from typing import Any
 from celery.exceptions import InvalidTaskError
 from celery.worker.strategy import default as default_strategy
 from kombu.exceptions import ContentDisallowed, DecodeError
+from redis import exceptions as redis_errors
 from redis.exceptions import NoScriptError
 
+from checkpointq.store import probe
 from checkpointq.store.keys import KeySpace
 from checkpointq.tasks import messages, runtime
 from checkpointq.tasks.coalesced import Settled, apply_requests
 from checkpointq.tasks.producer import pending as pending_records
+from checkpointq.worker import backpressure
 from checkpointq.worker.consumer import forget_locally
 from checkpointq.worker.hooks import kombu as kombu_hooks
 
@@ -264,15 +267,36 @@ class Coalescer:
                 if settled:
                     pipe.evalsha(_SETTLE_SHA, len(keys), *keys, *args)
                 replies = pipe.execute(raise_on_error=False)
+            # A refused write comes back as a reply (raise_on_error=False): the acks' own
+            # replies decide, as settle.lua's failure alone must not hold the messages.
+            refused_ack = next((r for r in replies[:2] if isinstance(r, Exception)), None)
+            if refused_ack is not None:
+                raise refused_ack
             if settled and isinstance(replies[-1], Exception):
                 self._settle_again(qos, replies[-1], keys, args)
-        except (*self.consumer.connection_errors, *self.consumer.channel_errors) as exc:
-            logger.error("could not acknowledge %d applied requests: %s", len(tags), exc)
-            for tag in tags:
-                forget_locally(channel, tag)
+        except (
+            *self.consumer.connection_errors,
+            *self.consumer.channel_errors,
+            redis_errors.RedisError,
+        ) as exc:
+            self._leave_unacknowledged(channel, tags, exc)
             return
         for pending, tag in zip(applied, tags, strict=True):
             kombu_hooks.settled_as_acked(qos, pending.message, tag)
+
+    def _leave_unacknowledged(self, channel: Any, tags: list[str], exc: Exception) -> None:
+        """The acks did not reach the broker: forget the messages locally (their ``unacked``
+        entries stay, the broker redelivers them); a refusal (out of memory, read-only) also
+        pauses the worker until the broker accepts writes (worker/backpressure.py)."""
+        refusal = probe.refused(exc)
+        expected = (*self.consumer.connection_errors, *self.consumer.channel_errors)
+        if refusal is None and not isinstance(exc, expected):
+            raise exc
+        logger.error("could not acknowledge %d applied requests: %s", len(tags), exc)
+        for tag in tags:
+            forget_locally(channel, tag)
+        if refusal is not None:
+            backpressure.trip_broker(refusal)
 
     def _settle_again(self, qos: Any, error: Exception, keys: list[str], args: list[Any]) -> None:
         """settle.lua failed in the ack pipeline: NOSCRIPT (a restarted broker) sends it

@@ -17,15 +17,20 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import re
+import threading
 import weakref
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from celery import signals
+from celery import bootsteps, signals
+from celery.exceptions import WorkerShutdown, WorkerTerminate
 from celery.worker.consumer import Consumer
+from redis import exceptions as redis_errors
 
+from checkpointq.store import probe
 from checkpointq.store.errors import StoreUnavailable
 from checkpointq.tasks import messages, observers, runtime
 from checkpointq.tasks.dead_letters import Reason
@@ -164,6 +169,17 @@ def _release_slot_when_broker_lost(
         except errors:
             forget_locally(channel, tag)
             raise
+        except redis_errors.RedisError as exc:
+            refusal = probe.refused(exc)
+            if refusal is None:
+                raise
+            # The broker answered and refused (out of memory, read-only): the message stays
+            # in its ``unacked`` hash, to be redelivered, and the worker holds still until
+            # the broker accepts writes. Raising would end the consumer (this is no
+            # connection error to Celery).
+            forget_locally(channel, tag)
+            logger.warning("broker refused to settle %s (%s): left for redelivery", tag, refusal)
+            backpressure.trip_broker(refusal)
 
     def ack_or_forget(multiple: bool = False) -> None:
         settle(ack, multiple=multiple)
@@ -187,6 +203,27 @@ def _leave_for_redelivery(message: Message) -> None:
     forget_locally(message.channel, message.delivery_tag)
 
 
+#: Seconds a worker whose consumer failed unexpectedly has to shut down before it exits
+#: anyway (Celery's own stop runs first; a supervisor restarts the process).
+EXIT_GRACE = 20.0
+#: Exit status then: EX_SOFTWARE, "internal software error".
+EXIT_STATUS = 70
+_STOPPING = (bootsteps.CLOSE, bootsteps.TERMINATE)
+
+
+def _exit_soon(exc: BaseException) -> None:
+    """Exit the process in ``EXIT_GRACE`` seconds, whatever Celery's shutdown is doing."""
+    logger.critical(
+        "consumer failed unexpectedly (%s: %s): the worker exits for its supervisor to "
+        "restart it; what it held is redelivered",
+        type(exc).__name__,
+        exc,
+    )
+    timer = threading.Timer(EXIT_GRACE, os._exit, (EXIT_STATUS,))
+    timer.daemon = True
+    timer.start()
+
+
 class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no type hints
     """Celery's consumer, with every refused message recorded as a dead letter."""
 
@@ -195,6 +232,41 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no 
         # them in its Redis reader, which must dead-letter them rather than crash the worker.
         kombu_hooks.install()
         super().__init__(*args, **kwargs)
+
+    def start(self) -> None:
+        """Celery's consumer loop, which restarts itself on a lost connection; here also on
+        a write the broker refused anywhere else, and an error nothing expected ends the
+        process, so that its supervisor starts a fresh one.
+
+        Celery treats any other error as fatal, and its shutdown after one could hang (a
+        live process that consumes nothing and ignores SIGTERM, seen with a refused
+        reject): after ``EXIT_GRACE`` seconds the process exits whatever is still running.
+        What it held stays in the broker's ``unacked`` hash and is redelivered.
+        """
+        while True:
+            try:
+                super().start()
+                return
+            except (WorkerShutdown, WorkerTerminate):
+                raise
+            except redis_errors.RedisError as exc:
+                refusal = probe.refused(exc)
+                if refusal is None or self.blueprint.state in _STOPPING:
+                    _exit_soon(exc)
+                    raise
+                logger.warning("broker refused a write (%s): restarting the consumer", refusal)
+                backpressure.trip_broker(refusal)
+                # What Celery's loop does after a lost connection (its start() restarts).
+                if self.connection:
+                    self.on_connection_error_after_connected(exc)
+                else:
+                    self.on_connection_error_before_connected(exc)
+                self.on_close()
+                self._cancel_connection_timer_entries()
+                self.blueprint.restart(self)
+            except Exception as exc:
+                _exit_soon(exc)
+                raise
 
     def _record(
         self, message: Message, kind: Reason, reason: str, *, with_arguments: bool = False

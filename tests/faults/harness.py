@@ -686,10 +686,22 @@ class Deployment:
 class SteadyTraffic:
     """Pushes a load at a steady rate from a thread, as producers keep doing in an outage."""
 
-    def __init__(self, client: redis.Redis, load: Sequence[Request], per_second: float) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        load: Sequence[Request],
+        per_second: float,
+        *,
+        patient: bool = False,
+    ) -> None:
         self.client = client
         self.load = load
         self.per_second = per_second
+        #: Retry a push the broker refuses (out of memory, read-only), as a producer that
+        #: keeps its requests would; without it a refusal ends the traffic with an error.
+        self.patient = patient
+        #: Pushes the broker refused and were sent again.
+        self.refused = 0
         self.pushed = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -706,7 +718,15 @@ class SteadyTraffic:
             # pacing a producer, not synchronising with the system under test
             self._stop.wait(max(0.0, due - time.monotonic()))
             chunk = self.load[self.pushed : self.pushed + batch]
-            push(self.client, (r.envelope() for r in chunk))
+            while True:
+                try:
+                    push(self.client, (r.envelope() for r in chunk))
+                    break
+                except redis.ResponseError:
+                    if not self.patient:
+                        raise
+                    self.refused += 1
+                    self._stop.wait(0.05)  # a producer's own backoff
             self.pushed += len(chunk)
 
     def finish(self, timeout: float = 600.0) -> None:

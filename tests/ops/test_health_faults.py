@@ -55,6 +55,30 @@ def test_health_and_stats_say_the_store_refuses_writes_not_no_worker(system: Sys
     assert json.loads(system.cli("stats", "--json").stdout)["store_refusing_writes"] is None
 
 
+def test_health_says_the_worker_is_paused_while_the_broker_refuses_writes(
+    system: System,
+) -> None:
+    # Given a healthy system
+    worker = system.start_worker()
+    wait_until(lambda: _health(system)[0] == 0, timeout=30, message="health to pass")
+    # When the broker runs out of memory (eviction off): it answers PING, refuses writes
+    broker = system.broker_client()
+    broker.config_set("maxmemory-policy", "noeviction")
+    broker.config_set("maxmemory", 1024 * 1024)
+    # Then health fails saying so, and the worker pauses rather than exits
+    code, line = _health(system)
+    assert code == 1
+    assert "paused: broker refusing writes (out of memory" in line, line
+    wait_until(lambda: "broker refusing writes" in worker.log(), timeout=30, message="the pause")
+    # When an operator raises the limit, the worker resumes by itself and health passes
+    broker.config_set("maxmemory", 0)
+    wait_until(lambda: _health(system)[0] == 0, timeout=30, message="health to pass again")
+    wait_until(
+        lambda: "broker accepts writes again" in worker.log(), timeout=30, message="resuming"
+    )
+    assert worker.process is not None and worker.process.poll() is None
+
+
 def test_health_notices_a_worker_that_holds_messages_but_finishes_none(system: System) -> None:
     # Given a healthy worker whose pool processes then hang (SIGSTOP: alive, doing nothing)
     worker = system.start_worker()

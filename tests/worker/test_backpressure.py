@@ -64,7 +64,7 @@ def test_the_gate_stops_consuming_while_the_store_refuses_writes_and_resumes_aft
     # When the probe is refused (twice), the queue is cancelled and a message waits
     gate.tick()
     gate.tick()
-    assert gate.paused and gate.refusal == OOM
+    assert gate.paused and gate.refusal == f"store refusing writes: {OOM}"
     assert not consumer.consuming_from("gate")
     _publish(conn, "waits")
     _drain(conn)

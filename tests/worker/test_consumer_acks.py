@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 from kombu import connection, entity, messaging
+from redis.exceptions import OutOfMemoryError, ResponseError
 
+from checkpointq.worker import backpressure
 from checkpointq.worker.consumer import _leave_for_redelivery, _release_slot_when_broker_lost
 
 # kombu's hints are partial (untyped functions): its classes are used as Any here.
@@ -117,3 +119,43 @@ def test_a_message_left_for_redelivery_frees_its_slot_and_stays_unacknowledged(
     # Then the worker can take the next message, and this one was never settled
     assert channel.qos.can_consume()
     assert not message.acknowledged
+
+
+@pytest.mark.parametrize("settle", ["ack", "requeue"])
+def test_a_settle_the_broker_refuses_pauses_the_worker_instead_of_ending_it(
+    channel: Any, monkeypatch: pytest.MonkeyPatch, settle: str
+) -> None:
+    # Given a delivered message and a broker that answers every write with -OOM
+    message = _delivered(channel)
+    tripped: list[str] = []
+    monkeypatch.setattr(backpressure, "trip_broker", tripped.append)
+
+    def out_of_memory(*args: Any, **kwargs: Any) -> None:
+        raise OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")
+
+    monkeypatch.setattr(channel, "basic_ack", out_of_memory)
+    monkeypatch.setattr(channel, "basic_reject", out_of_memory)
+    # When it is acknowledged or requeued: no error reaches Celery (it would end the
+    # consumer: this is no connection error to it) ...
+    if settle == "ack":
+        message.ack()
+    else:
+        message.reject(requeue=True)
+    # ... the slot is free, the message was never settled (the broker redelivers it), and
+    # the worker's gate was told the broker refuses writes
+    assert channel.qos.can_consume()
+    assert not message.acknowledged
+    assert len(tripped) == 1 and tripped[0].startswith("out of memory")
+
+
+def test_any_other_broker_error_while_settling_still_reaches_celery(
+    channel: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    message = _delivered(channel)
+
+    def wrong(*args: Any, **kwargs: Any) -> None:
+        raise ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")
+
+    monkeypatch.setattr(channel, "basic_ack", wrong)
+    with pytest.raises(ResponseError):
+        message.ack()

@@ -5,12 +5,13 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import fakeredis
 import pytest
 from celery import Celery
 from celery.exceptions import Reject
+from redis.exceptions import OutOfMemoryError
 
 from checkpointq.store.base import Fence, SaveResult
 from checkpointq.store.errors import StoreUnavailable
@@ -157,6 +158,29 @@ def test_retries_spent_while_the_store_refuses_writes_requeue_the_message(
     assert isinstance(result.result, Reject) and result.result.requeue
     assert rt.dead_letters.count() == 0
     assert "the store refuses writes: out of memory" in caplog.text
+
+
+def test_a_retry_the_broker_refuses_to_publish_goes_back_to_the_queue(
+    app: Celery,
+    redis: fakeredis.FakeRedis,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a store that is down, and a broker that refuses the retry's publish: Celery's
+    # Task.retry then raises Reject *without* requeue, which would drop the message
+    install(DownStore(), redis, retries=2)
+    task = app.tasks[messages.SAVE]
+
+    def unpublished(*args: Any, **kwargs: Any) -> NoReturn:
+        raise Reject(OutOfMemoryError("command not allowed"), requeue=False)
+
+    monkeypatch.setattr(task, "retry", unpublished)
+    wire = checkpoint_to_wire(make_checkpoint("oom-broker"))
+    # When the save fails and its retry cannot be published
+    result = task.apply(args=[wire], kwargs={"seq": 1})
+    # Then the message is given back (rejected with requeue), never dropped
+    assert isinstance(result.result, Reject) and result.result.requeue
+    assert "its retry could not be published" in caplog.text
 
 
 class DownStream(fakeredis.FakeRedis):

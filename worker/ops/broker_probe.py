@@ -34,6 +34,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel
 
+from checkpointq.store import probe
 from checkpointq.store.urls import parse_sentinel_url, redact_url, redis_py_url
 from checkpointq.tasks import messages
 from checkpointq.tasks.brokers import BrokerKind, broker_kind
@@ -83,6 +84,11 @@ class BrokerProbe(abc.ABC):
         Raises:
             BrokerUnavailable: the broker could not be read within the timeout.
         """
+
+    def write_refusal(self, key: str) -> str | None:
+        """Why the broker refuses a write to ``key`` (out of memory, read-only, ...), or
+        None when it accepts one or has no such refusal to report (RabbitMQ)."""
+        return None
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -181,6 +187,15 @@ class RedisProbe(BrokerProbe):
             self._client.ping()
         except redis.RedisError as exc:
             raise self._unavailable(exc) from exc
+
+    def write_refusal(self, key: str) -> str | None:
+        # Only the broker's answer counts: a broker that does not answer is kombu's to
+        # reconnect to, and a slow probe must not pause a worker.
+        try:
+            self._client.set(key, b"1", px=probe.PROBE_TTL_MS)
+        except redis.RedisError as exc:
+            return probe.refused(exc)
+        return None
 
     def queue(self, name: str, *, oldest: bool = False) -> QueueState:
         try:

@@ -304,7 +304,13 @@ def _ping_broker(settings: Settings) -> Check:
             probe.ping()
         except BrokerUnavailable as exc:
             return Check("broker", False, str(exc))
-        return Check("broker", True, f"{probe.where} answers")
+        # A broker that answers but refuses writes (out of memory, read-only) cannot take an
+        # ack: workers hold still meanwhile (worker/backpressure.py).
+        refusal = probe.write_refusal(connections.key_space(settings).write_probe())
+        if refusal is not None:
+            paused = f"paused: broker refusing writes ({refusal})"
+            return Check("broker", False, f"{probe.where} answers; {paused}")
+        return Check("broker", True, f"{probe.where} answers and accepts writes")
 
 
 def _ping_store(settings: Settings) -> tuple[Check, Any]:
