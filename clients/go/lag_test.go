@@ -199,6 +199,7 @@ func turnsThroughAnOutage(t *testing.T, d *lagDeployment, begin, end func()) {
 	if got := contents(d.stored(t, id)); got != want {
 		t.Fatalf("the store holds %s; want %s", got, want)
 	}
+	waitSettled(t, d.broker, id)
 	for name, c := range map[string]*Client[Checkpoint]{"A": a, "B": b} {
 		if cp, _ := mustLoad(t, c, id); contents(cp) != want || c.EpochChanges() != 0 {
 			t.Fatalf("%s after the outage: Load = %s, %d epoch changes", name, contents(cp), c.EpochChanges())

@@ -61,6 +61,20 @@ func deliver(t *testing.T, c *Client[Checkpoint], handles ...Handle) {
 	}
 }
 
+// waitSettled polls until the worker removed id's pending record and its index entry from
+// broker (once the request is applied): the broker holds records only for what is queued.
+func waitSettled(t *testing.T, broker *redisServer, id string) {
+	t.Helper()
+	err := pollUntil(30*time.Second, "the pending record of "+id+" to be settled", func() bool {
+		n, err1 := redis.Int(broker.Do("EXISTS", DefaultPrefix+".cq:pending:"+id))
+		score, err2 := broker.Do("ZSCORE", DefaultPrefix+".cq:pending", id)
+		return err1 == nil && err2 == nil && n == 0 && score == nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
 func mustSave(t *testing.T, c *Client[Checkpoint], cp *Checkpoint) Handle {
 	t.Helper()
 	h, err := c.SaveAsync(background(t), cp)
@@ -135,6 +149,7 @@ func TestAReplicaLoadsTheCheckpointAnotherJustSaved(t *testing.T) {
 			if s := stored(t, env.store, id); s == nil || normalise(s) != normalise(cp) {
 				t.Fatalf("stored %+v, want %+v", s, cp)
 			}
+			waitSettled(t, env.broker, id)
 			if got, _ := mustLoad(t, b, id); normalise(got) != normalise(cp) {
 				t.Fatalf("Load after apply = %+v", got)
 			}
