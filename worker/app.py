@@ -56,6 +56,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # Fire-and-forget: no result backend. Producers wait for durability on the store's
         # fence instead (CheckpointClient.wait_durable).
         "result_backend": None,
+        # No results to expire: else beat schedules Celery's daily celery.backend_cleanup,
+        # a builtin the worker refuses (worker/consumer.py).
+        "result_expires": None,
         "task_ignore_result": True,
         "task_store_errors_even_if_ignored": False,
         # Acknowledge after the task ran, so a worker killed mid-task leaves the message to be

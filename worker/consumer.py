@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 #: kombu's Message (kombu's hints are partial; we use body, headers, content_type, ack).
 Message = Any
 
+#: The namespace of the tasks Celery registers on every app (``celery.app.builtins``).
+CELERY_BUILTINS = "celery."
+
 
 def _describe(message: Message) -> tuple[str | None, str | None]:
     """Task name and id from protocol 2 headers, else from a protocol 1 body, if any."""
@@ -267,6 +270,16 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no 
             except Exception as exc:
                 _exit_soon(exc)
                 raise
+
+    def update_strategies(self) -> None:
+        """Celery's task table without Celery's builtins (``celery.map``, ``celery.group``,
+        ``celery.chord_unlock``, ``celery.backend_cleanup``...): every app registers them,
+        and a message naming one would run it, applying saves through ``celery.map`` or
+        failing in the pool. Here such a message is an unknown task, dead-lettered as any
+        name we do not own."""
+        super().update_strategies()
+        for name in [name for name in self.strategies if name.startswith(CELERY_BUILTINS)]:
+            del self.strategies[name]
 
     def _record(
         self, message: Message, kind: Reason, reason: str, *, with_arguments: bool = False
