@@ -4,9 +4,12 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/base64"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -475,5 +478,80 @@ func TestASaveOverTheBudgetKeepsTheMessagesTheStoreKeeps(t *testing.T) {
 				t.Fatalf("kept %d messages ending %.10q, want the most recent ~22", n, kept.ConversationHistory[n-1].Content)
 			}
 		})
+	}
+}
+
+// pythonTurn is a turn taken by a Python replica (CheckpointClient, in a process of its
+// own): load, append "turn <n>", save to queue. It returns what it loaded (contents) and
+// whether List showed the session.
+const pythonTurn = `
+import json, sys
+from checkpointq.store import RedisStore
+from checkpointq.store.serde import checkpoint_to_wire
+from checkpointq.tasks.producer.client import CheckpointClient
+
+broker, store, queue, session, turn = sys.argv[1:6]
+with CheckpointClient(broker, RedisStore.from_url(store), queue=queue) as client:
+    loaded = client.load(session)
+    wire = checkpoint_to_wire(loaded)
+    before = "v%d [%s]" % (wire["version"], ", ".join(m["content"] for m in wire.get("conversationHistory", [])))
+    wire["version"] += 1
+    wire.setdefault("conversationHistory", []).append({"role": "user", "content": "turn " + turn})
+    client.save(wire)
+    print(json.dumps({"before": before, "listed": session in client.list()}))
+`
+
+func TestGoAndPythonReplicasSeeEachOthersPendingTurns(t *testing.T) {
+	bin := os.Getenv("CHECKPOINTQ_BIN")
+	if bin == "" {
+		t.Fatal("CHECKPOINTQ_BIN is not set: run the Go tests with scripts/test-go")
+	}
+	python := filepath.Join(filepath.Dir(bin), "python")
+	// Given a Go replica and a Python replica, publishing to a queue no worker reads yet
+	a, _ := replicas(t, pendingMode{queue: "held"})
+	id := sessionID(t, "mixed")
+	mustSave(t, a, sampleCheckpoint(id, 1, "turn 1"))
+	pyTurn := func(turn int) (before string, listed bool) {
+		t.Helper()
+		out, err := exec.Command(python, "-c", pythonTurn, env.broker.URL(), env.store.URL(), a.cfg.Queue,
+			id, fmt.Sprint(turn)).CombinedOutput()
+		if err != nil {
+			t.Fatalf("python replica: %v\n%s", err, out)
+		}
+		var reply struct {
+			Before string `json:"before"`
+			Listed bool   `json:"listed"`
+		}
+		if err := json.Unmarshal(out, &reply); err != nil {
+			t.Fatalf("python replica said %s: %v", out, err)
+		}
+		return reply.Before, reply.Listed
+	}
+	// When they take turns, each loading what the other just saved
+	if before, listed := pyTurn(2); before != "v1 [turn 1]" || !listed {
+		t.Fatalf("the Python replica loaded %s (listed %v); want Go's v1 [turn 1]", before, listed)
+	}
+	takeTurn(t, a, id, 2) // checks that Go loads Python's turn 2
+	if before, _ := pyTurn(4); before != contents(sampleCheckpoint(id, 3, turns(3)...)) {
+		t.Fatalf("the Python replica loaded %s; want Go's turn 3", before)
+	}
+	cp, seq := mustLoad(t, a, id)
+	if contents(cp) != contents(sampleCheckpoint(id, 4, turns(4)...)) {
+		t.Fatalf("Go loaded %s, want Python's turn 4", contents(cp))
+	}
+	// Then, delivered, every turn lands
+	deliver(t, a)
+	if err := pollUntil(30*time.Second, "turn 4 in the store", func() bool {
+		s := stored(t, env.store, id)
+		return s != nil && s.Version == 4
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if got := contents(stored(t, env.store, id)); got != contents(cp) {
+		t.Fatalf("stored %s, want %s", got, contents(cp))
+	}
+	waitSettled(t, env.broker, id)
+	if _, after := mustLoad(t, a, id); after != seq {
+		t.Fatalf("the fence of the applied turn 4 is %d, the record's seq was %d", after, seq)
 	}
 }
