@@ -8,11 +8,19 @@ private Redis (broker and store alike), interleaved repetitions:
   registered under the same name), what a team would write without our client;
 * ``RedisStore.save``: writing the checkpoint synchronously, no queue at all.
 
-Nothing consumes the queue: it is emptied between repetitions.
+Nothing consumes the queue: it is emptied between repetitions. Each ``CheckpointClient.save``
+also writes its pending record (issue 22), in the same script call as the push.
+
+Loads: ``CheckpointClient.load_with_fence`` (which merges the pending record: one script
+call, broker and store being one Redis) against ``RedisStore.load_with_fence``, for a
+session whose newest write is still pending (the record answers) and for one the worker
+settled (the store answers). And the broker memory a pending 20 KB session holds (``MEMORY
+USAGE`` of its record, plus its index entry).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +39,13 @@ from tests.support.servers import RedisServer
 SIZE = 20_000
 QUEUE = "checkpoints"
 WAYS = ("CheckpointClient.save", "Celery apply_async", "RedisStore.save (direct)")
+LOADS = (
+    "CheckpointClient.load_with_fence (record answers)",
+    "CheckpointClient.load_with_fence (store answers)",
+    "RedisStore.load_with_fence (direct)",
+)
+#: Issue 22: a merged load p50 at most this much a direct load's.
+LOAD_VS_DIRECT_TARGET = 1.2
 #: Targets of the performance issue.
 VS_DIRECT_TARGET = 1.0
 VS_APPLY_ASYNC_TARGET = 3.0
@@ -41,11 +56,63 @@ def run(config: RunConfig) -> SectionReport:
     server = RedisServer().start()
     try:
         p50s, p99s, everything = _measure(server, calls, config)
+        loads = _measure_loads(server, calls, config)
+        record_bytes, index_bytes = _pending_memory(server)
     finally:
         server.cleanup()
     report = SectionReport("producer", "Producer: enqueue cost per request")
     _write(report, p50s, p99s, everything, calls, config)
+    _write_loads(report, loads, record_bytes, index_bytes, config)
     return report
+
+
+def _measure_loads(server: RedisServer, calls: int, config: RunConfig) -> dict[str, Summary]:
+    """p50 per repetition of each way to load, interleaved."""
+    raw = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=30)
+    raw.flushall()
+    store = RedisStore(raw, prefix="bench")
+    client = CheckpointClient(server.url, RedisStore(raw, prefix="bench"), queue=QUEUE)
+    try:
+        for i in range(32):
+            store.save(make_checkpoint(f"settled{i}", SIZE), seq=1)
+            client.save(make_checkpoint(f"pending{i}", SIZE))
+        raw.delete(QUEUE)
+        ways: dict[str, Callable[[int], object]] = {
+            LOADS[0]: lambda i: client.load_with_fence(f"pending{i % 32}"),
+            LOADS[1]: lambda i: client.load_with_fence(f"settled{i % 32}"),
+            LOADS[2]: lambda i: store.load_with_fence(f"settled{i % 32}"),
+        }
+        for way in ways.values():
+            for i in range(20):
+                way(i)
+        p50: dict[str, list[float]] = {w: [] for w in LOADS}
+        for rep in range(config.repeats):
+            for name in LOADS[rep % 3 :] + LOADS[: rep % 3]:
+                p50[name].append(percentile(_time_calls(ways[name], calls), 50))
+    finally:
+        client.close()
+        raw.close()
+    return {w: summarize(v) for w, v in p50.items()}
+
+
+def _pending_memory(server: RedisServer) -> tuple[int, int]:
+    """Bytes the broker holds for one pending 20 KB save: its record (``MEMORY USAGE``),
+    and its index entry (the sorted set's growth per entry, over 1,000 entries)."""
+    raw = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=30)
+    raw.flushall()
+    client = CheckpointClient(server.url, RedisStore(raw, prefix="bench"), queue=QUEUE)
+    try:
+        for i in range(1000):
+            client.save(make_checkpoint(f"mem{i}", SIZE))
+        raw.delete(QUEUE)
+        keys = client.pending_records.keys if client.pending_records else None
+        assert keys is not None, "a Redis broker has pending records"
+        records = [int(raw.memory_usage(keys.pending(f"mem{i}")) or 0) for i in range(1000)]
+        index = int(raw.memory_usage(keys.pending_index()) or 0)
+    finally:
+        client.close()
+        raw.close()
+    return round(statistics.median(records)), round(index / 1000)
 
 
 def _stock_celery(url: str) -> tuple[Celery, Any]:
@@ -99,6 +166,42 @@ def _measure(
         {w: summarize(v) for w, v in per_rep_p50.items()},
         {w: summarize(v) for w, v in per_rep_p99.items()},
         everything,
+    )
+
+
+def _write_loads(
+    report: SectionReport,
+    loads: dict[str, Summary],
+    record_bytes: int,
+    index_bytes: int,
+    config: RunConfig,
+) -> None:
+    direct = loads[LOADS[2]].median
+    worst = max(loads[LOADS[0]].median, loads[LOADS[1]].median)
+    report.lines += [
+        "",
+        "Loads of the same 20 KB checkpoint (p50 per repetition, median (min-max)):",
+        "",
+        "| way | p50 us | p50 / direct load |",
+        "|---|---:|---:|",
+    ]
+    for way in LOADS:
+        report.lines.append(
+            f"| {way} | {loads[way].fmt(',.0f')} | {loads[way].median / direct:.2f}x |"
+        )
+    report.lines += [
+        "",
+        f"A pending 20 KB session holds **{record_bytes + index_bytes:,} bytes** of broker "
+        f"memory ({record_bytes:,} its record, whose value is the compressed checkpoint; "
+        f"{index_bytes} its index entry), until a worker applies its request.",
+    ]
+    report.targets.append(
+        Target(
+            "client load p50 vs direct RedisStore load (issue 22)",
+            f"<= {LOAD_VS_DIRECT_TARGET:.1f}x",
+            f"{worst / direct:.2f}x",
+            None if config.quick else worst / direct <= LOAD_VS_DIRECT_TARGET,
+        )
     )
 
 
