@@ -6,7 +6,9 @@
 -- KEYS[2]      the pending index: sorted set, session id -> record deadline (ms, server time)
 -- KEYS[3]      the pending epoch: a token that changes only when the broker lost its data
 -- KEYS[4..]    one pending record key per request in the message (<prefix>.cq:pending:<id>)
--- ARGV[1]      the message, as LPUSH stores it
+-- ARGV[1]      the message, as LPUSH stores it; or "" when the caller LPUSHes it itself in
+--              the same MULTI/EXEC, just before this script (the Python client does: the
+--              message then never passes through Lua, which copies every argument)
 -- ARGV[2]      the records' lifetime, ms
 -- ARGV[3]      a fresh random token, the epoch if the broker has none yet
 -- ARGV[4..]    five per record, in KEYS order: session id, seq, op ("save" | "delete"),
@@ -38,5 +40,7 @@ for i = 4, #KEYS do
     redis.call('ZADD', KEYS[2], deadline, ARGV[a])
   end
 end
-redis.call('LPUSH', KEYS[1], ARGV[1])
+if ARGV[1] ~= '' then
+  redis.call('LPUSH', KEYS[1], ARGV[1])
+end
 return epoch
