@@ -43,7 +43,7 @@ type Config struct {
 	// WaitTimeout bounds WaitDurable when ctx has no deadline; default 10 s.
 	WaitTimeout time.Duration
 	// MaxMessageBytes is the largest body published (CHECKPOINTQ_MAX_MESSAGE_BYTES, whose
-	// default, 8 MiB, is this default too); larger requests fail with ErrInvalidInput.
+	// default, 8 MiB, is this default too); larger requests fail with ErrTooLarge.
 	MaxMessageBytes int
 	// HistoryCap is how many of the most recent messages a save keeps (the Go store: 100;
 	// CHECKPOINTQ_HISTORY_CAP).
