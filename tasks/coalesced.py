@@ -10,6 +10,10 @@ the store refuses) is reported as not done: the main process then runs that mess
 single task it is, through ``CheckpointTask``, which dead-letters or retries it exactly as
 without coalescing. An unavailable store raises, and every message of the group takes that
 path too.
+
+Each request also gets Celery's task signals (``checkpointq.tasks.item_signals``) when a
+handler listens; for that the main process hands over each message's headers and
+``delivery_info`` with its body.
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ from checkpointq.store.model import validate_session_id
 from checkpointq.store.serde import checkpoint_from_wire
 from checkpointq.tasks import batch, messages, observers, runtime
 from checkpointq.tasks.checkpoints import outcomes
+from checkpointq.tasks.item_signals import ItemSignals, wanted
 from checkpointq.tasks.seq import accepted_seq
 
-#: One request as the main process hands it over: (task name, task id, protocol 2 body).
-Request = tuple[str, str, bytes]
+#: One request as the main process hands it over: (task name, task id, protocol 2 body,
+#: message headers, delivery_info).
+Request = tuple[str, str, bytes, dict[str, Any], dict[str, Any]]
 
 #: A request now durable, as the main process needs it to settle its pending record:
 #: (session id, the seq it was applied or superseded at).
@@ -42,6 +48,11 @@ def parse(task: str, task_id: str, body: bytes) -> BatchOp:
         InvalidInput: anything but ``save(checkpoint, seq=None)`` / ``delete(session_id,
             seq=None)`` with valid arguments (the task path then says precisely why).
     """
+    return _parse(task, task_id, body)[0]
+
+
+def _parse(task: str, task_id: str, body: bytes) -> tuple[BatchOp, list[Any], dict[str, Any]]:
+    """``parse``, with the message's arguments."""
     parsed = messages.parse_body(body)
     if parsed is None or task not in _NAMES:
         raise InvalidInput("not a protocol 2 save or delete body")
@@ -50,8 +61,8 @@ def parse(task: str, task_id: str, body: bytes) -> BatchOp:
         raise InvalidInput("arguments do not match the task's signature")
     seq = accepted_seq(kwargs.get("seq", args[1] if len(args) == 2 else None))
     if task == messages.SAVE:
-        return SaveOp(checkpoint_from_wire(args[0]), seq, task_id)
-    return DeleteOp(validate_session_id(args[0]), seq, task_id)
+        return SaveOp(checkpoint_from_wire(args[0]), seq, task_id), args, kwargs
+    return DeleteOp(validate_session_id(args[0]), seq, task_id), args, kwargs
 
 
 def apply_requests(requests: list[Request]) -> list[Settled | None]:
@@ -65,25 +76,40 @@ def apply_requests(requests: list[Request]) -> list[Settled | None]:
     started = time.perf_counter()
     ops: list[BatchOp] = []
     positions: list[int] = []
-    for position, (task, task_id, body) in enumerate(requests):
+    signalled: list[ItemSignals] | None = [] if wanted() else None
+    for position, (task, task_id, body, headers, delivery_info) in enumerate(requests):
         try:
-            ops.append(parse(task, task_id, body))
-            positions.append(position)
+            op, args, kwargs = _parse(task, task_id, body)
         except InvalidInput:
             continue
+        ops.append(op)
+        positions.append(position)
+        if signalled is not None:
+            item = ItemSignals.for_request(task, task_id, args, kwargs, headers, delivery_info)
+            item.prerun()
+            signalled.append(item)
     done: list[Settled | None] = [None] * len(requests)
     if not ops:
         return done
-    results = runtime.current().store.apply_batch(ops)
+    try:
+        results = runtime.current().store.apply_batch(ops)
+    except BaseException:
+        for item in signalled or ():
+            item.left_group()
+        raise
     seconds = (time.perf_counter() - started) / len(ops)
-    for position, op, result in zip(positions, ops, results, strict=True):
+    for index, (position, op, result) in enumerate(zip(positions, ops, results, strict=True)):
         if isinstance(result, InvalidInput):
+            if signalled is not None:
+                signalled[index].left_group()
             continue
         outcome = batch.item_outcome(op, result)
         # A request sent without a seq was stamped by the store: 0 settles no record.
         done[position] = (str(outcome["session_id"]), int(outcome.get("seq") or 0))
-        task, task_id, _ = requests[position]
+        task, task_id = requests[position][:2]
         _observe(task, task_id, outcome, op.seq, seconds)
+        if signalled is not None:
+            signalled[index].succeeded(outcome, time.perf_counter() - started)
     return done
 
 

@@ -80,6 +80,7 @@ from checkpointq.tasks.coalesced import Settled, apply_requests
 from checkpointq.tasks.producer import pending as pending_records
 from checkpointq.worker import backpressure
 from checkpointq.worker.consumer import forget_locally
+from checkpointq.worker.group_events import GroupEvents
 from checkpointq.worker.hooks import kombu as kombu_hooks
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,8 @@ class _Pending:
     """One reserved message waiting in a group, with what Celery gave us to settle it."""
 
     message: Any
+    #: The registered task (``Task``), and its name.
+    celery_task: Any
     task: str
     task_id: str
     ack: Any
@@ -132,12 +135,15 @@ class Coalescer:
         window_seconds: float,
         keys: KeySpace | None = None,
         settle_elsewhere: Callable[[list[Settled]], None] | None = None,
+        events: GroupEvents | None = None,
     ) -> None:
         self.consumer = consumer
         #: Names the pending records that the acks settle.
         self.keys = keys or KeySpace()
         #: Settles records where the acks cannot carry settle.lua (no kombu Redis QoS).
         self.settle_elsewhere = settle_elsewhere
+        #: What Celery's Request would tell monitors about each request.
+        self.events = events or GroupEvents(consumer, getattr(consumer, "app", None))
         self.max_items = max_items
         self.window = window_seconds
         self.slots = max(1, int(getattr(consumer.pool, "num_processes", 1) or 1))
@@ -152,6 +158,7 @@ class Coalescer:
     # -- main process, on the event loop -------------------------------------------------
 
     def add(self, pending: _Pending) -> None:
+        self.events.received(pending.celery_task, pending.message, pending.ack, pending.reject)
         self._group.append(pending)
         if len(self._group) == 1:
             self._opened = time.monotonic()
@@ -203,9 +210,19 @@ class Coalescer:
     def _dispatch(self, group: list[_Pending]) -> None:
         """Hand ``group`` to the pool as one job; settle it when the job answers."""
         self._in_flight += 1
-        requests = [(p.task, p.task_id, _body(p.message)) for p in group]
+        requests = [
+            (p.task, p.task_id, _body(p.message), p.message.headers, p.message.delivery_info)
+            for p in group
+        ]
+        for pending in group:
+            self.events.started(pending.celery_task, pending.task_id)
+        sent = time.monotonic()
 
         def on_done(done: list[Settled | None]) -> None:
+            runtime = time.monotonic() - sent
+            for pending, ok in zip(group, done, strict=False):
+                if ok is not None:
+                    self.events.succeeded(pending.celery_task, pending.task_id, runtime)
             self._settle(group, done)
 
         def on_error(exc: Any) -> None:
@@ -339,7 +356,12 @@ def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Handler:
         settings = app.conf.checkpointq_coalesce
         keys = KeySpace(settings["key_prefix"]) if settings.get("key_prefix") else None
         coalescer = Coalescer(
-            consumer, settings["max_items"], settings["window_seconds"], keys, _settle_in_runtime
+            consumer,
+            settings["max_items"],
+            settings["window_seconds"],
+            keys,
+            _settle_in_runtime,
+            GroupEvents(consumer, app),
         )
         consumer._checkpointq_coalescer = coalescer
 
@@ -349,7 +371,9 @@ def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Handler:
         if body is not None or not eligible(message):
             return fallback(message, body, ack, reject, callbacks, **kw)
         headers = message.headers
-        coalescer.add(_Pending(message, task.name, headers["id"], ack, reject, callbacks, fallback))
+        coalescer.add(
+            _Pending(message, task, task.name, headers["id"], ack, reject, callbacks, fallback)
+        )
         return None
 
     return on_message

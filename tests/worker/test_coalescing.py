@@ -16,6 +16,7 @@ import pytest
 
 from checkpointq.tasks.messages import SAVE
 from checkpointq.worker.coalesce import Coalescer, _Pending
+from checkpointq.worker.group_events import GroupEvents
 from tests.support.checkpoints import make_checkpoint
 from tests.worker.conftest import Deployment
 
@@ -85,9 +86,13 @@ class Rig:
     def deliver(self, *ids: str) -> None:
         """Messages the broker reader hands over within one turn of the loop."""
         for task_id in ids:
-            message = SimpleNamespace(body=b"[]", channel=None, delivery_tag=task_id)
+            message = SimpleNamespace(
+                body=b"[]", channel=None, delivery_tag=task_id, headers={}, delivery_info={}
+            )
             self.coalescer.add(
-                _Pending(message, SAVE, task_id, self._ack(task_id), None, None, _no_fallback)
+                _Pending(
+                    message, _TASK, SAVE, task_id, self._ack(task_id), None, None, _no_fallback
+                )
             )
 
     def turns(self, *ids: str) -> None:
@@ -104,6 +109,9 @@ class Rig:
         return ack
 
 
+_TASK = SimpleNamespace(name=SAVE, send_events=True)
+
+
 def _no_fallback(*args: Any) -> None:
     raise AssertionError("an applied request must not run again as a task")
 
@@ -111,9 +119,15 @@ def _no_fallback(*args: Any) -> None:
 def _rig(*, processes: int = 2, max_items: int = 32, window: float = 0.0) -> Rig:
     loop, pool, timer, acked = Loop(), Pool(processes), Timer(), list[str]()
     consumer = SimpleNamespace(
-        pool=pool, hub=loop, timer=timer, connection_errors=(), channel_errors=()
+        pool=pool,
+        hub=loop,
+        timer=timer,
+        connection_errors=(),
+        channel_errors=(),
+        event_dispatcher=None,
     )
-    return Rig(Coalescer(consumer, max_items, window), loop, pool, timer, acked)
+    coalescer = Coalescer(consumer, max_items, window, events=GroupEvents(consumer, app=None))
+    return Rig(coalescer, loop, pool, timer, acked)
 
 
 def test_messages_delivered_in_one_turn_go_as_one_group_when_the_turn_ends() -> None:
