@@ -108,6 +108,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # default, and they cost a publish per task state change.
         "worker_send_task_events": settings.task_events,
         "task_send_sent_event": settings.task_events,
+        # Modules imported by every worker at start-up, before the pool forks (Celery's -I):
+        # where users set up Sentry or OpenTelemetry and connect signal handlers.
+        "include": list(settings.include),
         # Every task goes to our queue; producers in other languages push to the same list.
         "task_default_queue": settings.queue,
         "task_create_missing_queues": True,

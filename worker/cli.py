@@ -135,12 +135,14 @@ RUN_OPTIONS = {
     "queue": "CHECKPOINTQ_QUEUE",
     "log_level": "CHECKPOINTQ_LOG_LEVEL",
     "hostname": "CHECKPOINTQ_HOSTNAME",
+    "task_events": "CHECKPOINTQ_TASK_EVENTS",
+    "include": "CHECKPOINTQ_INCLUDE",
 }
 
 
 def run_options(function: F) -> F:
-    """``-c``, ``-P``, ``-Q``, ``-n`` (worker settings) and ``-l``, as ``celery worker``
-    takes them; each overrides its CHECKPOINTQ_ variable."""
+    """``-c``, ``-P``, ``-Q``, ``-n``, ``-E``, ``-I`` (worker settings) and ``-l``, as
+    ``celery worker`` takes them; each overrides its CHECKPOINTQ_ variable."""
     options = [
         click.option(
             "-c",
@@ -180,6 +182,22 @@ def run_options(function: F) -> F:
             help="The worker's node name, e.g. w1@%h (%h: this host's name). "
             "[CHECKPOINTQ_HOSTNAME; default celery@<host>]",
         ),
+        click.option(
+            "-E",
+            "--task-events",
+            is_flag=True,
+            default=None,
+            help="Send task events, for Flower and `celery events`. "
+            "[CHECKPOINTQ_TASK_EVENTS; default off]",
+        ),
+        click.option(
+            "-I",
+            "--include",
+            metavar="MODULE[,MODULE]",
+            multiple=True,
+            help="Import these modules in the worker at start-up (signal handlers, Sentry or "
+            "OpenTelemetry set-up); repeatable. [CHECKPOINTQ_INCLUDE; default none]",
+        ),
     ]
     for option in reversed(options):
         function = option(function)
@@ -189,6 +207,9 @@ def run_options(function: F) -> F:
 def _run_settings(run: dict[str, Any], as_json: bool, *, resolve: bool = True) -> Settings:
     """Settings for a command that runs the system: its options over the environment."""
     overrides = dict(run)
+    modules = [m.strip() for text in overrides.pop("include", None) or () for m in text.split(",")]
+    if any(modules):
+        overrides["include"] = [m for m in modules if m]
     queue = overrides.get("queue")
     if queue is not None and "," in queue:
         raise CliFailure(f"-Q takes one queue (checkpointq consumes one), not {queue!r}")
@@ -201,10 +222,14 @@ def _run_settings(run: dict[str, Any], as_json: bool, *, resolve: bool = True) -
 
 def _override_env(settings: Settings, run: dict[str, Any], as_json: bool) -> dict[str, str]:
     """The CHECKPOINTQ_ variables a child process needs to get the same overrides."""
-    env = {RUN_OPTIONS[name]: str(getattr(settings, name)) for name, v in run.items() if v}
+    env = {RUN_OPTIONS[name]: _env_value(getattr(settings, name)) for name, v in run.items() if v}
     if as_json:
         env["CHECKPOINTQ_LOG_FORMAT"] = "json"
     return env
+
+
+def _env_value(value: Any) -> str:
+    return ",".join(value) if isinstance(value, list) else str(value)
 
 
 def run_json_option(function: F) -> F:

@@ -7,10 +7,10 @@ maps these onto Celery's configuration; ``store_options()`` onto the store's.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from checkpointq.store.base import StoreOptions
 from checkpointq.store.keys import DEFAULT_PREFIX, check_prefix
@@ -135,6 +135,17 @@ class Settings(BaseSettings):
     #: Send Celery task events (what Flower shows). Off: each event is one more publish per
     #: task, and nobody consumes them unless Flower (or `celery events`) runs.
     task_events: bool = False
+    #: Modules every worker process imports at start-up (Celery's ``-I``/``include``),
+    #: comma-separated in the variable: e.g. the one that sets up Sentry or OpenTelemetry,
+    #: or connects task signal handlers. Empty by default.
+    include: Annotated[list[str], NoDecode] = Field(default_factory=list)
+
+    @field_validator("include", mode="before")
+    @classmethod
+    def _split_modules(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [name.strip() for name in value.split(",") if name.strip()]
+        return value
 
     # -- housekeeping -----------------------------------------------------------------
     #: Seconds between beat's sweeps of expired sessions.
