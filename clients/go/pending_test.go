@@ -302,6 +302,7 @@ func TestThePendingRecordIsTheDocumentedHash(t *testing.T) {
 	c := newClient[Checkpoint](t, Config{Queue: "held-" + t.Name()})
 	ctx := background(t)
 	id := sessionID(t, "rec")
+	t.Cleanup(func() { _, _ = env.broker.Do("DEL", c.cfg.Queue) })
 	h, err := c.SaveAsync(ctx, sampleCheckpoint(id, 2, "hi"))
 	if err != nil {
 		t.Fatal(err)
