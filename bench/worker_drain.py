@@ -110,11 +110,15 @@ class Staged:
     #: Saves each message carries (``apply_batch`` messages carry many).
     saves_per_message: int
     envelope_bytes: int
+    #: (session id, seq) of each single save: the pending record our producers would have
+    #: written with it, restored before each release so that every worker settles them.
+    records: tuple[tuple[str, int], ...] = ()
 
     def release_and_time_drain(self, client: redis.Redis) -> float:
         """Copy the messages onto the queue at once; seconds from then until the queue is
         empty with nothing left unacknowledged (the idle worker waits in BRPOP: it takes the
         first message at once)."""
+        _write_records(client, self.records)
         client.copy(self.key, STAGING, replace=True)
         start = time.perf_counter()
         client.rename(STAGING, QUEUE)
@@ -210,7 +214,26 @@ def stage(
         if i % 200 == 199:
             pipe.execute()
     pipe.execute()
-    return Staged(key, messages, max(1, per_message), total)
+    records = () if per_message else tuple((f"{tag}-{i}", 1_000 + i) for i in range(messages))
+    return Staged(key, messages, max(1, per_message), total, records)
+
+
+#: A record's value: about what a 20 KB generated checkpoint compresses to.
+_RECORD_VALUE = b"v" * 9_000
+
+
+def _write_records(client: redis.Redis, records: tuple[tuple[str, int], ...]) -> None:
+    """The pending records (tasks/producer/pending.py) of ``records``, as publish.lua
+    leaves them: a hash per session and its index entry."""
+    keys = KeySpace()
+    pipe = client.pipeline(transaction=False)
+    for n, (session_id, seq) in enumerate(records):
+        record = {"seq": seq, "op": "save", "req": f"bench-{n}", "value": _RECORD_VALUE}
+        pipe.hset(keys.pending(session_id), mapping=record)  # type: ignore[arg-type]
+        pipe.zadd(keys.pending_index(), {session_id: 2**50})
+        if n % 200 == 199:
+            pipe.execute()
+    pipe.execute()
 
 
 def _renamed(document: bytes, session_id: str) -> bytes:
