@@ -24,7 +24,7 @@ from checkpointq.tasks.policy import RetryPolicy
 from checkpointq.tasks.producer.client import PUBLISH_RETRY_POLICY
 from checkpointq.tasks.producer.pending import Settler
 from checkpointq.tasks.runtime import Runtime
-from checkpointq.worker import backpressure, beat, coalesce, logs, reserve
+from checkpointq.worker import backpressure, beat, coalesce, logs, remote_control, reserve
 from checkpointq.worker import signals as _signals  # noqa: F401  # importing it connects the hooks
 from checkpointq.worker.ops import health, metrics
 from checkpointq.worker.settings import Settings
@@ -101,9 +101,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # their countdown (ETA messages) even when no task is running.
         "worker_soft_shutdown_timeout": settings.shutdown_timeout_seconds,
         "worker_enable_soft_shutdown_on_idle": settings.shutdown_timeout_seconds > 0,
-        # Remote control (inspect, shutdown, rate limits over the broker) lets anyone who can
-        # write to the broker stop the fleet: off unless asked for.
-        "worker_enable_remote_control": settings.remote_control,
+        # Remote control over the broker: read-only inspection always (celery inspect, status,
+        # Flower's worker pages); commands that change the worker (shutdown, pool, rate limits,
+        # revoke, events) only with CHECKPOINTQ_REMOTE_CONTROL=true (worker/remote_control.py).
+        "worker_enable_remote_control": True,
         # Monitoring events (what Flower shows) only when asked for: nobody consumes them by
         # default, and they cost a publish per task state change.
         "worker_send_task_events": settings.task_events,
@@ -192,6 +193,7 @@ def create_app(settings: Settings | None = None) -> Celery:
             key_prefix=settings.key_prefix,
         )
     runtime.configure(lambda: build_runtime(settings))
+    remote_control.install(app, full=settings.remote_control)
     # Operations (worker/ops/metrics.py, worker/ops/health.py, worker/logs.py): the /metrics
     # endpoint, heartbeats for `checkpointq health` and `top`, the log format.
     metrics.install(app, settings)

@@ -68,6 +68,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery.exceptions import InvalidTaskError
+from celery.worker import state as worker_state
 from celery.worker.strategy import default as default_strategy
 from kombu.exceptions import ContentDisallowed, DecodeError
 from redis import exceptions as redis_errors
@@ -216,6 +217,8 @@ class Coalescer:
         ]
         for pending in group:
             self.events.started(pending.celery_task, pending.task_id)
+        # Counted as Celery counts the tasks its pool accepts (``celery inspect stats``).
+        worker_state.total_count.update(p.task for p in group)
         sent = time.monotonic()
 
         def on_done(done: list[Settled | None]) -> None:

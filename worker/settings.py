@@ -129,8 +129,10 @@ class Settings(BaseSettings):
     #: On SIGTERM, seconds a worker keeps running its current tasks before it stops and
     #: requeues every message it still holds (retries waiting for their countdown included).
     shutdown_timeout_seconds: float = Field(default=10.0, ge=0)
-    #: Allow Celery remote control (inspect, shutdown over the broker). Off: nobody with
-    #: broker access can stop workers by pushing a control message.
+    #: Allow Celery's whole remote control (shutdown, pool and rate-limit changes, revoke,
+    #: enabling events over the broker). Off: workers answer read-only inspection only
+    #: (``celery inspect ping|stats|active|registered``, ``celery status``), so nobody with
+    #: broker access can stop or reconfigure them by pushing a control message.
     remote_control: bool = False
     #: Send Celery task events (what Flower shows). Off: each event is one more publish per
     #: task, and nobody consumes them unless Flower (or `celery events`) runs.

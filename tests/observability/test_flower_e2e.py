@@ -22,6 +22,7 @@ import pytest
 
 from checkpointq.tasks.producer.client import CheckpointClient
 from checkpointq.worker.settings import Settings
+from tests.observability.conftest import CHECKPOINTQ
 from tests.support.celery_processes import CeleryProcess, checkpointq_env
 from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import RedisServer, free_port, wait_until
@@ -29,7 +30,6 @@ from tests.support.workers import TEST_WORKER_SETTINGS
 
 pytestmark = pytest.mark.integration
 
-CHECKPOINTQ = str(Path(sys.executable).with_name("checkpointq"))
 #: The README's Flower command.
 FLOWER = [sys.executable, "-m", "celery", "-A", "checkpointq.worker.app", "flower"]
 

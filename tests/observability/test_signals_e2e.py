@@ -9,7 +9,6 @@ producer without Celery that LPUSHes the envelope itself, as the Go client does)
 from __future__ import annotations
 
 import json
-import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ from checkpointq.store.serde import checkpoint_to_wire
 from checkpointq.tasks.messages import DELETE, SAVE
 from checkpointq.tasks.producer.client import CheckpointClient
 from checkpointq.worker.settings import Settings
+from tests.observability.conftest import CHECKPOINTQ
 from tests.support.celery_processes import CeleryProcess, checkpointq_env
 from tests.support.checkpoints import make_checkpoint
 from tests.support.envelopes import protocol2
@@ -28,8 +28,6 @@ from tests.support.servers import RedisServer, wait_until
 from tests.support.workers import QUEUE, TEST_WORKER_SETTINGS
 
 pytestmark = pytest.mark.integration
-
-CHECKPOINTQ = str(Path(sys.executable).with_name("checkpointq"))
 
 
 class Recorded:

@@ -244,7 +244,8 @@ def test_celery_config_is_json_only_late_ack_and_fits_the_visibility_timeout() -
     assert conf["accept_content"] == ["json"] and conf["task_serializer"] == "json"
     assert conf["task_acks_late"] and conf["task_reject_on_worker_lost"]
     assert conf["task_ignore_result"] and conf["result_backend"] is None
-    assert not conf["worker_enable_remote_control"]
+    # Inspection only: worker/remote_control.py refuses the commands that change a worker
+    assert conf["worker_enable_remote_control"]
     visibility = conf["broker_transport_options"]["visibility_timeout"]
     policy = RetryPolicy(
         settings.retry_max, settings.retry_backoff_seconds, settings.retry_backoff_max_seconds
