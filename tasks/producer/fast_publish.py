@@ -14,7 +14,9 @@ after our size check. This module writes exactly the envelope kombu's Redis tran
   byte strings with its ids, the base64 body and short ``argsrepr``/``kwargsrepr``;
 * ``priority`` 0, so the list is the queue itself (kombu suffixes only other priorities);
 * a ``delivery_tag`` and a task id (uuid4) per message, and ``reply_to`` fixed per
-  publisher, as a Celery app's ``oid`` is (nothing replies: there is no result backend).
+  publisher, as a Celery app's ``oid`` is (nothing replies: there is no result backend);
+* ``before_task_publish``/``after_task_publish`` around the push when a receiver is
+  connected (``publish_hooks``: a tracer's headers reach the worker).
 
 Only for plain Redis brokers (``redis://``, ``rediss://``, ``unix://``); any other broker
 (amqp://, sentinel://) goes through Celery (``CheckpointClient`` decides).
@@ -43,6 +45,7 @@ from redis.retry import Retry
 
 from checkpointq.store.urls import is_redis_url, redact_url, redis_py_url
 from checkpointq.tasks.errors import BrokerUnavailable
+from checkpointq.tasks.producer import publish_hooks
 
 if TYPE_CHECKING:
     from checkpointq.tasks.producer.pending import PendingRecords, RecordWrite
@@ -196,11 +199,17 @@ class RedisPublisher:
         """
         task_id = task_id or str(uuid.uuid4())
         message = self.envelope(task, body_json, argsrepr, kwargsrepr, task_id)
+        # Celery's publish signals (tracing headers), when a receiver is connected.
+        hooks = publish_hooks.connected()
+        if hooks is not None:
+            message = hooks.before(task, body_json, message, self.queue)
         pending = self.pending
         if pending is not None and records:
             self._push(task, lambda: pending.push(self.queue, message, records))
         else:
             self._push(task, lambda: self._client.lpush(self.queue, message))
+        if hooks is not None:
+            hooks.after(task, body_json, message, self.queue)
         return task_id
 
     def _push(self, what: str, push: Callable[[], object]) -> None:

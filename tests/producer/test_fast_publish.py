@@ -209,3 +209,50 @@ def test_seq_stamps_keep_increasing_across_fast_publishes() -> None:
     seqs = [h.seq or 0 for h in handles]
     assert all(s >= before for s in seqs)
     assert seqs == sorted(seqs)
+
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+@pytest.mark.integration
+def test_publish_signals_run_as_in_celerys_publish_and_their_headers_reach_the_message(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    from celery import signals
+
+    seen: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
+
+    def before(**kwargs: Any) -> None:
+        seen["before"].append(kwargs)
+        kwargs["headers"]["traceparent"] = TRACEPARENT  # what a tracer's inject does
+
+    def after(**kwargs: Any) -> None:
+        seen["after"].append(kwargs)
+
+    # Given receivers of before_task_publish (adding a header) and after_task_publish
+    signals.before_task_publish.connect(before, weak=False)
+    signals.after_task_publish.connect(after, weak=False)
+    try:
+        # When one save goes by the fast path and one by Celery's send_task
+        checkpoint = make_checkpoint("hooks", version=2)
+        with CheckpointClient(redis_server.url, InMemoryStore(), queue=QUEUE) as client:
+            handle = client.save(checkpoint)
+            wire = checkpoint_to_wire(checkpoint)
+            client._send_task(SAVE, [wire], {"seq": handle.seq}, "[...]", "{}")
+    finally:
+        signals.before_task_publish.disconnect(before)
+        signals.after_task_publish.disconnect(after)
+    fast, stock = _messages(redis_client)
+    # Then both messages carry the header the receiver added
+    assert fast["headers"]["traceparent"] == stock["headers"]["traceparent"] == TRACEPARENT
+    # And each signal ran once per publish, with the arguments Celery gives it
+    (fast_before, stock_before), (fast_after, stock_after) = seen["before"], seen["after"]
+    assert fast_before.keys() == stock_before.keys()
+    assert fast_after.keys() == stock_after.keys()
+    assert fast_before["sender"] == fast_after["sender"] == SAVE
+    assert fast_before["headers"]["id"] == fast_after["headers"]["id"] == handle.task_id
+    assert fast_before["routing_key"] == stock_before["routing_key"] == QUEUE
+    assert list(fast_before["body"]) == list(stock_before["body"])
+    # And the rest of the fast message is what it is without receivers
+    assert _body(fast) == _body(stock)
+    assert fast["properties"]["correlation_id"] == handle.task_id
