@@ -36,6 +36,7 @@ from checkpointq.tasks import messages, observers, runtime
 from checkpointq.tasks.dead_letters import Reason
 from checkpointq.tasks.refusals import refuse
 from checkpointq.worker import backpressure, timing
+from checkpointq.worker.hooks import celery as celery_hooks
 from checkpointq.worker.hooks import kombu as kombu_hooks
 
 logger = logging.getLogger(__name__)
@@ -265,7 +266,7 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no 
                 else:
                     self.on_connection_error_before_connected(exc)
                 self.on_close()
-                self._cancel_connection_timer_entries()
+                celery_hooks.cancel_connection_timers(self)
                 self.blueprint.restart(self)
             except Exception as exc:
                 _exit_soon(exc)

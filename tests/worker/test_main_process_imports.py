@@ -11,11 +11,20 @@ import json
 import subprocess
 import sys
 
+import kombu
+
 from tests.support.celery_processes import checkpointq_env
 
 #: Modules the main process must not load (``celery.bin.celery`` brings click-repl and
-#: prompt_toolkit; ``app.worker_main`` loads it).
-NOT_IN_MAIN = ("celery.bin.celery", "click_repl", "prompt_toolkit", "zstandard", "redbeat")
+#: prompt_toolkit; ``app.worker_main`` loads it). kombu before 5.7 imports zstandard itself
+#: whenever it is installed (``kombu/compression.py``), in every process: not ours to avoid.
+NOT_IN_MAIN = (
+    "celery.bin.celery",
+    "click_repl",
+    "prompt_toolkit",
+    *(("zstandard",) if tuple(kombu.VERSION[:2]) >= (5, 7) else ()),
+    "redbeat",
+)
 
 _PROGRAM = f"""
 import json, sys
