@@ -43,22 +43,44 @@ def test_save_wait_reports_a_history_the_store_trimmed(system: Cli) -> None:
     assert json.loads(as_json.stdout)["messages"] == {"sent": 5, "kept": 2}
 
 
-def test_save_wait_of_a_request_the_worker_refuses_fails_with_the_reason_and_entry(
-    system: Cli,
-) -> None:
-    # Given a checkpoint whose newest message alone is 3 MB of incompressible text: under
-    # the 8 MiB message limit, over the 1 MiB stored-value limit
+def _too_big() -> bytes:
+    """A checkpoint whose newest message alone is 3 MB of incompressible text: under the
+    8 MiB message limit, over the 1 MiB stored-value limit."""
     content = base64.b64encode(os.urandom(3 * 1024 * 1024 * 3 // 4)).decode()
     document = {
         "sessionId": "too-big",
         "version": 1,
         "conversationHistory": [{"role": "user", "content": content}],
     }
+    return json.dumps(document).encode()
 
-    # When it is saved and waited for, with a timeout far longer than the refusal takes
-    saved = system.run(
-        "save", "-", "--wait", "--timeout", "600", input=json.dumps(document).encode()
-    )
+
+def test_save_of_a_value_no_worker_could_store_is_refused_before_it_is_sent(
+    system: Cli,
+) -> None:
+    # When a checkpoint over the stored-size budget is saved
+    saved = system.run("save", "-", "--wait", "--timeout", "600", input=_too_big())
+
+    # Then the save fails at once with one line naming the budget, and nothing is stored
+    assert saved.returncode == 1
+    assert len(saved.stderr.splitlines()) == 1, saved.stderr
+    assert "does not fit the 1048576-byte stored-size budget" in saved.stderr
+    assert "dead letter" not in saved.stderr
+    shown = system.run("show", "too-big")
+    assert shown.returncode == 1
+    assert "no live session 'too-big'" in shown.stderr
+
+
+def test_save_wait_of_a_request_the_worker_refuses_fails_with_the_reason_and_entry(
+    system: Cli,
+) -> None:
+    # Given a producer configured with a larger stored-size budget than the workers' (the
+    # one refusal a producer cannot make for them: it does not know their settings)
+    producer = Cli(system.cwd, {**system.env, "CHECKPOINTQ_MAX_VALUE_BYTES": str(8 * 1024 * 1024)})
+
+    # When it saves a value over the workers' budget and waits, with a timeout far longer
+    # than the refusal takes
+    saved = producer.run("save", "-", "--wait", "--timeout", "600", input=_too_big())
 
     # Then it fails with one line: the refusal's kind, its reason and the dead letter
     assert saved.returncode == 1
