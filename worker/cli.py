@@ -296,7 +296,7 @@ def _configure_logging(settings: Settings) -> None:
 def cli() -> None:
     """Persist AI-agent session checkpoints through Celery workers on Redis.
 
-    Settings come from CHECKPOINTQ_* variables or a .env file (README, Configuration). With
+    Settings come from CHECKPOINTQ_* variables or a .env file (docs/configuration.md). With
     no CHECKPOINTQ_BROKER_URL, every command uses the embedded Redis of a `checkpointq up`
     running in this directory. Errors are one line on stderr with exit 1; --json on every
     command prints JSON for scripts.

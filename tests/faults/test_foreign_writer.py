@@ -3,8 +3,8 @@
 During a rollout some apiserver paths still save (``SET EX 30d``) and delete (``DEL``) through
 the Go store, on our keys, touching no fence and no index. The direct writer here is the Go
 cross-check program, tests/go/gostore: encoding/json, klauspost's zstd and SET EX / DEL / SCAN,
-as the Go package's ``RedisStore``. The expected state follows the rules of README's "Go
-compatibility" section, applied to each session's writes in real-time order (``expected``):
+as the Go package's ``RedisStore``. The expected state follows the rules of docs/semantics.md's
+"Go compatibility" section, applied to each session's writes in real-time order (``expected``):
 
 * a queued save applies iff its ``seq`` is above the last queued request applied; a queued
   delete iff it is at or above it (our fence; Go's writes never move it);

@@ -1,8 +1,8 @@
 """Flower 2.2 lists every request a default (coalescing) worker applied, as SUCCESS.
 
 Flower builds its task list from Celery's task events; the worker sends them per request of
-a coalesced group (worker/group_events.py) once events are on (``-E``). Flower runs as the
-README says, ``celery -A checkpointq.worker.app flower``, with the broker URL spelled as
+a coalesced group (worker/group_events.py) once events are on (``-E``). Flower runs as
+docs/operations.md says, ``celery -A checkpointq.worker.app flower``, with the broker URL spelled as
 ``checkpointq up`` prints it: ``redis://`` or the embedded Redis's ``unix://`` (which
 ``celery --broker`` alone does not know).
 """
@@ -30,7 +30,7 @@ from tests.support.workers import TEST_WORKER_SETTINGS
 
 pytestmark = pytest.mark.integration
 
-#: The README's Flower command.
+#: The Flower command of docs/operations.md.
 FLOWER = [sys.executable, "-m", "celery", "-A", "checkpointq.worker.app", "flower"]
 
 
@@ -54,7 +54,7 @@ def _flower_tasks(port: int) -> dict[str, Any]:
 def test_flower_lists_every_save_as_succeeded(
     broker_url: str, store_server: RedisServer, tmp_path: Path
 ) -> None:
-    # Given a default worker with task events on (-E), and Flower started as the README says
+    # Given a default worker with task events on (-E), and Flower started as docs/operations.md says
     values = {**TEST_WORKER_SETTINGS, "broker_url": broker_url, "store_url": store_server.url}
     env = checkpointq_env(**values)
     worker = CeleryProcess("worker", env, command=[CHECKPOINTQ, "worker", "-E", "-n", "fl@%h"])

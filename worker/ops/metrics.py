@@ -12,7 +12,7 @@ Gauges of the broker and the store (queue depth, dead letters, sessions) belong 
 process: ``RedisGauges`` reads them at scrape time with O(1) or O(log n) reads
 (``worker/ops/broker_probe.py`` for the queue, XLEN and ZCOUNT on the store). Nothing
 connects at start-up, so a server that is down shows as ``checkpointq_redis_up 0`` instead
-of stopping the worker. The metrics are listed in the README ("Metrics").
+of stopping the worker. The metrics are listed in docs/operations.md ("Metrics").
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ class RedisGauges:
     """Gauges read from the broker and the store on each scrape (main process): cheap
     reads only."""
 
-    #: The families ``collect`` yields (the README lists them).
+    #: The families ``collect`` yields (docs/operations.md lists them).
     NAMES = (
         "checkpointq_queue_depth",
         "checkpointq_dead_letter_depth",
