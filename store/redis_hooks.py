@@ -3,11 +3,10 @@ pooled connection and reading their replies by hand.
 
 Nothing else in checkpointq reaches past redis-py's public client API (commands, pipelines,
 ``Script``); when redis-py changes its connection classes, this module is the one to re-read.
-The hand-sent path saves ~18 us of client CPU per store write against redis-py's own
-``pipeline(transaction=False)`` (~19% of a single 20 KB save; the same at 8 saves a batch:
-docs/performance.md), so it is kept, but only on the redis-py lines it is proven on
-(``PROVEN``) and when its self-test passes; anywhere else writes go through the pipeline,
-and one line says so.
+The hand-sent path costs less client CPU per store write than redis-py's own
+``pipeline(transaction=False)`` (docs/performance.md), so it is kept, but only on the
+redis-py lines it is proven on (``PROVEN``) and when its self-test passes; anywhere else
+writes go through the pipeline, and one line says so.
 """
 
 from __future__ import annotations

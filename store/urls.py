@@ -1,8 +1,7 @@
 """The URL rules, in one place: which schemes name what, how each library spells a unix
 socket, and how a URL is shown to people (never with a password).
 
-Lives in ``store/`` (the bottom layer) so that the store, the tasks and the worker all read
-the same rules:
+Lives in ``store/`` (the bottom layer) so that every layer reads the same rules:
 
 * **One spelling for a unix socket: ``unix:///path/redis.sock``**, as redis-py, go-redis,
   node-redis and redis-cli's ``-u`` write it. kombu alone knows it only as
@@ -16,9 +15,8 @@ the same rules:
 * **Checking**: ``check_url`` turns every malformed URL (a port that is not a number, a
   database that is not one, an option redis-py cannot read) into one ``ValueError`` line at
   start-up, instead of a traceback from deep inside redis-py or kombu on first use.
-* **Redaction**: ``redact_url`` for one URL, ``redact_urls`` for every URL inside a text (log
-  lines, error messages). A password may hold any character the authority can carry raw
-  (quotes, spaces, ``<``, ``@``: everything but ``/ ? #`` and line breaks, which end it), so
+* **Redaction**: ``redact_url`` for one URL, ``redact_urls`` for every URL in a text. A
+  password may hold any character but ``/ ? #`` and line breaks (quotes, spaces, ``@``), so
   the text is searched for ``scheme://...@``, not for a well-formed URL.
 """
 

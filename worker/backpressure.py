@@ -1,38 +1,16 @@
 """Backpressure: while the store or the broker refuses writes, the worker takes no messages.
 
 A request may leave the broker only once it is applied, superseded, or recorded where an
-operator can replay it. During a store outage none of the three can happen, so the broker
-is the one safe place for requests. Celery has no "pause" (celery/celery#1452); what it
-offers is what its ``cancel_consumer`` and ``add_consumer`` remote commands do: cancel the
-task consumer's queues and add them back. kombu's Redis channel defers a cancel that
-arrives during a read until the read is done (celery/celery#1773), so no message slips in
-after it.
-
-``StoreGate`` does exactly that from the consumer's event loop (a consumer bootstep on its
-timer, like the heartbeat): every ``store_probe_seconds`` it writes a probe key
-(``checkpointq.store.probe``). When the write is refused (connection refused or timed out,
-``-OOM``, ``-READONLY``, ...) it cancels the task queues; when a write is accepted again it
-adds them back. Meanwhile:
-
-* messages still queued stay in the broker, however long the outage lasts;
-* messages the worker already holds run, fail and are retried: each retry is a new message
-  published to the queue (where it waits too), and a message whose retries run out while
-  the store refuses writes is rejected with requeue (``tasks/checkpoints.py``), never
-  acknowledged;
-* a refusal in this process that finds the store down (a dead letter that could not be
-  written, ``worker/consumer.py`` and ``worker/hooks/kombu.py``) trips the gate at once with
-  ``trip()``, without waiting for the next probe.
-
-The broker is probed the same way, with a write of its own (a Redis broker: out of
-memory, read-only replica, ``MISCONF``; only its answer counts, as an unreachable broker is
-kombu's to reconnect to). A refused ack, reject or requeue of a message the worker holds
-(``worker/consumer.py``, ``worker/coalesce.py``) trips the gate with ``trip_broker()``: the
-message stays in the broker's ``unacked`` hash and is redelivered, and the worker holds still
-until the broker accepts writes again. When broker and store are one Redis (the default
-layout) both sides pause and resume together.
-
-A broker reconnection restarts the consumer's steps: the new gate starts open and probes at
-once.
+operator can replay it; during a store outage none of the three can happen, so the broker is
+the one safe place for requests. Celery has no "pause" (celery/celery#1452), so ``StoreGate``
+does what its ``cancel_consumer``/``add_consumer`` remote commands do, from the consumer's
+event loop: every ``store_probe_seconds`` it writes a probe key (``checkpointq.store.probe``)
+and cancels the task queues while the write is refused, adding them back once one is
+accepted. The broker is probed the same way. A refusal seen elsewhere in the process (a dead
+letter that could not be written: ``trip()``; a refused ack, reject or requeue:
+``trip_broker()``) closes the gate at once. Messages already held are retried (each retry
+waits in the queue too); one whose retries run out meanwhile is requeued, never
+acknowledged. docs/design.md has the whole behaviour.
 """
 
 from __future__ import annotations

@@ -1,61 +1,17 @@
 """Worker-side coalescing: single saves and deletes from any producer, applied in groups.
 
-Producers in Go, Node or raw ``LPUSH`` send one request per message, and Celery's per
-message cost (a Request, a trip through the pool's pipe, a result back) is several times the
-store's own work for a 20 KB save. So for ``checkpoint.save`` and ``checkpoint.delete`` the
-worker's main process groups the messages it reserves (up to ``max_items``), hands their raw
-bodies to one pool process as one job (``checkpointq.tasks.coalesced.apply_requests``: one
-pipelined round trip, each item fenced by its own ``seq``, in arrival order), and
-acknowledges each message only once the job says its item is durable.
-
-When a group goes (the latency a message pays for sharing a round trip):
-
-* **Nothing is in the pool**: at the end of the event loop's current turn, with whatever
-  that turn delivered (the reader takes everything queued that the prefetch window has
-  room for in one round trip, ``worker/reserve.py``). An idle worker adds no wait.
-* **Another group is in the pool, a process is idle**: once ``window`` (default 2 ms) has
-  passed since the group's first message. The load is up then, and each group sent costs
-  the main process and a pool process a job, an answer and an ack round trip: sending one
-  or two messages at once made more, smaller groups and queued messages at half capacity.
-* **Every pool process is busy**: the group keeps filling, and goes the moment one is free
-  (its answer came back), before that group's acks are written.
-* **Full** (``max_items``): at once, even if it must then wait in the pool's queue.
-
-So a message waits in the main process at most ``window``, or until a pool process is free
-or its group full while every one is busy: the reserved messages are bounded by the
-prefetch (``max_items`` per pool process) and by their bodies' bytes
-(``CHECKPOINTQ_PREFETCH_MAX_BYTES``, ``reserve.byte_room``: groups of large saves are
-smaller), and the groups in flight by the pool size (full ones aside). The window used to
-hold every group, an idle worker's too (at half the coalescing-off worker's capacity: p50
-6.0 ms with it, 3.1 without, side by side); with no window at all, groups were mostly
-single messages at half the default's capacity on a loaded machine, p50 33 ms against 8.6
-with the old window (latency bench, side by side).
-
-Delivery guarantees stay exactly those of one task per message:
-
-* A message is acknowledged only after its item was written; until then it sits in the
-  broker's ``unacked`` hash like any reserved message, so ``kill -9`` of the main process or
-  of the pool process at any point leaves it to be redelivered (visibility timeout), and a
-  replayed save or delete is harmless (fenced). ``tests/faults/test_coalescing.py`` kills a
-  real worker mid-group and finds every save applied.
-* A group's pending records (``checkpointq.tasks.producer.pending``) are settled in the
-  round trip that acknowledges it: settle.lua rides the acks' pipeline, so loads stop
-  reading a record only once its request is durable, at no extra round trip.
-* Only the happy path is coalesced. A message the group could not apply (bad input, a value
-  the store refuses, a store outage, a pool process lost mid-job) is run as the single task
-  it is, by Celery's own strategy, so dead letters, retries and refusals take the one path
-  they always take. Messages that are not plain first deliveries (retries, ETA, expiry,
-  protocol 1) never enter a group.
-
-Why not ``celery-batches``: it buffers requests and runs the whole buffer as one task call,
-so one bad request or one retry concerns the whole buffer (its docs leave acks and retries
-per request to the task author), and it relies on an unlimited prefetch to fill its buffer,
-which on Redis makes a worker reserve the whole queue. Here the prefetch is bounded (the
-group size per pool process), each request keeps its own ack, refusal and retry, and the
-task path is unchanged for everything that is not a plain save or delete.
-
-Only the prefork and solo pools coalesce: their pool results arrive on the event loop,
-where kombu's channel may be used; with the threads pool the setting is ignored.
+Celery's per-message cost is several times the store's own work for a 20 KB save, and most
+producers (Go, Node, raw ``LPUSH``) send one request per message. So the main process groups
+the ``checkpoint.save`` and ``checkpoint.delete`` messages it reserves (up to ``max_items``),
+hands their raw bodies to one pool process as one job
+(``checkpointq.tasks.coalesced.apply_requests``: one pipelined round trip, each item fenced
+by its own ``seq``), and acknowledges each message only once its own item is durable, so
+delivery guarantees stay those of one task per message. A group goes at the end of the event
+loop's turn when nothing is in the pool, after ``window`` while another group is, the moment
+a pool process frees up while all are busy, and at once when full. Anything a group cannot
+apply runs again as the single task it is (dead letters, retries and refusals keep their one
+path); retries, ETA, expiry and protocol 1 never enter a group. Only the prefork and solo
+pools coalesce. docs/design.md has the rules in full and why not ``celery-batches``.
 """
 
 from __future__ import annotations

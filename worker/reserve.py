@@ -3,7 +3,7 @@
 kombu's Redis transport takes one message per BRPOP and then records it in its ``unacked``
 hash and index (``QoS.append``): a second round trip that sends the whole message back to
 the broker. With coalescing (``worker/coalesce.py``) the worker's main process is the
-bound, and those two round trips per message were most of its time (profile in
+bound, and those two round trips per message would be most of its time (profile in
 ``docs/performance.md``). ``worker/lua/reserve.lua`` pops up to the room left in the
 prefetch window and records each message with what kombu would write (same keys, tag,
 ``[message, exchange, routing key]``, the worker's ``time()`` as the score), so kombu's own

@@ -1,35 +1,13 @@
 """Opt-in producer batching: coalesce saves and deletes for a few ms into one message.
 
-A worker's throughput is bounded by Celery's per-message cost, not by Redis (bench/,
-worker section): one ``checkpoint.apply_batch`` message of many requests is applied in one
-pipelined round trip (``tasks/batch.py``). ``BatchingClient`` wraps a ``CheckpointClient``::
-
-    client = BatchingClient(CheckpointClient.from_settings(settings), window_ms=5)
-    handle = client.save(checkpoint)     # returns at once; published within 5 ms
-    client.wait_durable(handle)          # as with the plain client
-    client.close()                       # publishes what is pending, then closes
-
-Guarantees:
-
-* **Bounded delay.** A background thread publishes a batch at the latest ``window_ms`` after
-  its first request (unless an earlier publish is still retrying against a broker that is
-  down). A batch that reaches ``max_items`` or ``max_bytes`` is published at once, by the
-  caller that filled it.
-* **Order.** Requests get their ``seq`` when they join a batch, batches are published one at
-  a time in order, and every item is fenced by its own ``seq`` anyway.
-* **Outcomes.** Item ``i`` of batch ``T`` is request ``T:i`` (``Handle.request``), so
-  ``wait_durable`` reports each item's own outcome.
-* **Pending records.** Each item's record (``checkpointq.tasks.producer.pending``) is
-  written by the script call that pushes its batch: loads see a request once its batch is
-  published (within ``window_ms``; ``flush()`` publishes at once), not while it waits here.
-* **Errors.** ``save``/``delete`` validate at once (as the plain client does, refusing what
-  a worker would refuse). A publish that
-  fails in the background (``BrokerUnavailable`` after the retries) is raised by the next
-  call to ``save``, ``delete``, ``flush`` or ``close``: the requests of that batch were not
-  sent, and the call that raises did not queue its own request either. ``flush()``
-  publishes synchronously and raises directly.
-
-Create it after forking (its thread does not survive a fork), and share it between threads.
+A worker's throughput is bounded by Celery's per-message cost, not by Redis, and one
+``checkpoint.apply_batch`` message of many requests is applied in one pipelined round trip
+(``tasks/batch.py``). ``BatchingClient`` wraps a ``CheckpointClient``: a background thread
+publishes a batch at the latest ``window_ms`` after its first request, a full batch
+(``max_items``, ``max_bytes``) goes at once, each item keeps its own ``seq``, outcome
+(request ``T:i``) and pending record, and a publish that failed in the background is raised
+by the next call. Create it after forking (its thread does not survive a fork); share it
+between threads. docs/design.md lists its guarantees; docs/api.md has an example.
 """
 
 from __future__ import annotations

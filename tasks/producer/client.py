@@ -1,15 +1,14 @@
 """The producer client for API servers: enqueue by task name, wait for durability, read.
 
 Light on purpose: it imports no task code, needs no result backend, and on a Redis broker no
-Celery either (``pip install checkpointq`` brings none: Celery comes with the worker's extra,
-``checkpointq[worker]``). On a Redis broker it writes Celery protocol 2 messages itself and
-LPUSHes them (``fast_publish``: the stock
-worker reads them as it reads ``send_task``'s, at a fraction of the producer's cost); on any
-other broker it publishes with Celery's ``send_task``. It stamps every save and delete with
-a causal ``seq`` (``clock``: after every fence this process has read for the session, so
+Celery either (Celery comes with the worker's extra, ``checkpointq[worker]``). On a Redis
+broker it writes Celery protocol 2 messages itself and LPUSHes them (``fast_publish``: the
+stock worker reads them as it reads ``send_task``'s, at a fraction of the producer's cost);
+on any other broker it publishes with ``send_task``. It stamps every save and delete with a
+causal ``seq`` (``clock``: after every fence this process has read for the session, so
 "load, then save" keeps its order across producers whose clocks disagree). On a Redis broker
-each save and delete also writes its pending record in the push's own script call, and
-loads merge those records with the store (``pending``): every replica's load sees every
+each save and delete also writes its pending record in the push's own script call, and loads
+merge those records with the store (``pending``): every replica's load sees every
 accepted write, while the workers lag or the store refuses writes::
 
     client = CheckpointClient.from_settings(settings)

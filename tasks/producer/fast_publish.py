@@ -2,29 +2,14 @@
 publish.lua call that also writes the requests' pending records), no kombu.
 
 Celery's ``send_task`` costs an API server more than writing the checkpoint synchronously
-would (bench/, producer section): it builds the message through several layers, formats a
-1 KB ``argsrepr`` of the checkpoint for a log header, and serialises the arguments once more
-after our size check. This module writes exactly the envelope kombu's Redis transport writes
-(``kombu/transport/redis.py``: ``Channel._put`` LPUSHes the JSON of the message dict that
-``basic_publish`` completed), so the *stock* worker consumes it unchanged
-(``tests/worker/test_fast_publish_e2e.py``):
-
-* the headers and properties ``send_task`` sets, in the same shape; every part that does not
-  change between messages is encoded once per task name, and a message is the join of those
-  byte strings with its ids, the base64 body and short ``argsrepr``/``kwargsrepr``;
-* ``priority`` 0, so the list is the queue itself (kombu suffixes only other priorities);
-* a ``delivery_tag`` and a task id (uuid4) per message, and ``reply_to`` fixed per
-  publisher, as a Celery app's ``oid`` is (nothing replies: there is no result backend);
-* ``before_task_publish``/``after_task_publish`` around the push when a receiver is
-  connected (``publish_hooks``: a tracer's headers reach the worker).
-
-Only for plain Redis brokers (``redis://``, ``rediss://``, ``unix://``); any other broker
-(amqp://, sentinel://) goes through Celery (``CheckpointClient`` decides).
-
-Every wait is bounded: a publish takes at most ``PUBLISH_TIMEOUT`` seconds in all, even
-against a broker that accepts connections and never answers (each attempt waits at most
-``ATTEMPT_TIMEOUT`` to connect and as long for each answer, and no attempt starts that could
-not end by the deadline).
+would (bench/, producer section). This module writes exactly the envelope kombu's Redis
+transport writes (``Channel._put``), so the *stock* worker consumes it unchanged
+(``tests/worker/test_fast_publish_e2e.py``): the headers and properties ``send_task`` sets,
+every part that does not change between messages encoded once per task name, and
+``before_task_publish``/``after_task_publish`` around the push when a receiver is connected
+(``publish_hooks``). Only for plain Redis brokers; any other goes through Celery
+(``CheckpointClient`` decides). A publish takes at most ``PUBLISH_TIMEOUT`` seconds in all,
+even against a broker that never answers. docs/design.md has the envelope in detail.
 """
 
 from __future__ import annotations

@@ -9,45 +9,12 @@ highest) and when a self-test of those attributes passes. Anywhere else the work
 kombu's stock reader and per-message acks (coalescing still groups what that reader
 delivers) and logs one line saying why.
 
-Keep one malformed queue item from stopping a worker: dead-letter it instead.
-
-kombu's Redis transport pops each item with BRPOP and decodes it (JSON envelope, then the
-base64 body) inside the worker's event loop, before any Celery hook can see it. An item
-that is not JSON, a JSON value that is not an envelope, or an envelope whose body is not
-valid base64 raised there, and the worker exited ("Unrecoverable error"): anyone able to
-LPUSH to the queue could stop the fleet, one worker per item, and the item itself was gone
-(popped, never in the ``unacked`` hash). The reader installed here decodes the item the way
-kombu will, and refuses what would not decode: it records the raw item as a dead letter and
-carries on with the next one.
-
-Why patch kombu's Redis ``Channel`` rather than select a transport subclass: kombu ignores
-an explicit transport for ``redis+socket://`` URLs (the embedded Redis), and Sentinel's
-channel derives from the same class, so one replacement of its BRPOP reader covers every
-Redis spelling. It is installed only in worker processes (``install()`` is called by the
-worker's consumer), and the body mirrors kombu 5.7's ``Channel._brpop_read``, which
-``pyproject.toml`` pins; ``tests/faults/test_abuse.py`` fails if an upgrade changes it.
-
-Why this reader and not a smaller hook (looked at again for the one-home-per-contract work):
-the decoding that raises runs inside kombu's reader, so a hook must sit there or below it.
-Wrapping the ``loads`` that kombu's Redis module calls would also change how it restores
-unacknowledged messages (the same name decodes them), and a ``Message`` subclass is built
-only after the raw item is gone, so it could not record what arrived. Replacing the one
-method keeps the change to the one place where a raw item and its queue are both in hand.
-
-The reader also fills the prefetch window in one round trip after each BRPOP
-(``worker/reserve.py``) and delivers each message with the message built once, not twice
-(kombu built it in the reader's check and again in its delivery callback), and without a
-second ``unacked`` write for what the reserve script already recorded. For that it
-remembers, per queue, the consumer callback kombu's ``basic_consume`` registered (the
-wrapper below); the pinned-source test covers the kombu code it mirrors.
-
-Bodies are base64 in kombu's Redis envelopes, and kombu decodes each one in the main process
-with the standard library's ``b64decode``: ~90 us for a 27 KB save message, the largest
-single cost of the main process (profile in ``docs/performance.md``). ``install()`` gives the
-Redis channels a codec that decodes with ``pybase64`` (SIMD, ~3 us) whenever the text is
-strict base64, the case of every body kombu encodes; anything else (whitespace, characters
-outside the alphabet, data after the padding) is decoded by kombu's own codec, so that what
-it accepts, refuses or repairs is exactly as before.
+The reader replaces kombu's Redis ``Channel._brpop_read`` (every Redis spelling, Sentinel
+included, goes through it) because that is where an item is decoded, before any Celery hook:
+an item that would not decode is dead-lettered there instead of stopping the worker. It also
+fills the prefetch window in one round trip (``worker/reserve.py``), builds each message
+once, and decodes strict base64 bodies with ``pybase64``. docs/design.md says why this hook
+and no smaller one; docs/performance.md what it saves.
 """
 
 from __future__ import annotations
