@@ -98,3 +98,26 @@ def test_the_configuration_page_documents_every_setting() -> None:
     documented = set(re.findall(r"^\| `(CHECKPOINTQ_[A-Z_]+)` \|", page, re.MULTILINE))
     expected = {f"CHECKPOINTQ_{name.upper()}" for name in Settings.model_fields}
     assert documented == expected
+
+
+def _same_default(literal: str, default: object) -> bool:
+    """Whether a default as the configuration page writes it is the code's default."""
+    if isinstance(default, bool):
+        return literal == str(default).lower()
+    if isinstance(default, int | float):
+        return float(literal) == float(default)
+    if isinstance(default, Path):
+        return Path(literal) == default
+    return literal == default
+
+
+def test_the_configuration_page_states_each_default_the_code_has() -> None:
+    # Given the settings table, When a row's default is a literal (`300`, `false`, ...),
+    # Then it is the field's default in worker/settings.py (prose defaults are not read).
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    rows = re.findall(r"^\| `CHECKPOINTQ_([A-Z_]+)` \| `([^`]+)`", page, re.MULTILINE)
+    assert len(rows) > 30
+    for name, literal in rows:
+        field = Settings.model_fields[name.lower()]
+        default = field.default if field.default_factory is None else None
+        assert _same_default(literal, default), f"{name}: page {literal}, code {default}"
