@@ -76,40 +76,35 @@ def apply_requests(requests: list[Request]) -> list[Settled | None]:
     started = time.perf_counter()
     ops: list[BatchOp] = []
     positions: list[int] = []
-    signalled: list[ItemSignals] | None = [] if wanted() else None
-    for position, (task, task_id, body, headers, delivery_info) in enumerate(requests):
+    #: Each parsed request's arguments, kept only if a signal handler listens.
+    arguments: list[tuple[list[Any], dict[str, Any]]] | None = [] if wanted() else None
+    for position, (task, task_id, body, *_) in enumerate(requests):
         try:
             op, args, kwargs = _parse(task, task_id, body)
         except InvalidInput:
             continue
         ops.append(op)
         positions.append(position)
-        if signalled is not None:
-            item = ItemSignals.for_request(task, task_id, args, kwargs, headers, delivery_info)
-            item.prerun()
-            signalled.append(item)
+        if arguments is not None:
+            arguments.append((args, kwargs))
     done: list[Settled | None] = [None] * len(requests)
     if not ops:
         return done
-    try:
-        results = runtime.current().store.apply_batch(ops)
-    except BaseException:
-        for item in signalled or ():
-            item.left_group()
-        raise
+    results = runtime.current().store.apply_batch(ops)
     seconds = (time.perf_counter() - started) / len(ops)
     for index, (position, op, result) in enumerate(zip(positions, ops, results, strict=True)):
         if isinstance(result, InvalidInput):
-            if signalled is not None:
-                signalled[index].left_group()
             continue
         outcome = batch.item_outcome(op, result)
         # A request sent without a seq was stamped by the store: 0 settles no record.
         done[position] = (str(outcome["session_id"]), int(outcome.get("seq") or 0))
         task, task_id = requests[position][:2]
         _observe(task, task_id, outcome, op.seq, seconds)
-        if signalled is not None:
-            signalled[index].succeeded(outcome, time.perf_counter() - started)
+        if arguments is not None:
+            args, kwargs = arguments[index]
+            headers, delivery_info = requests[position][3:]
+            item = ItemSignals.for_request(task, task_id, args, kwargs, headers, delivery_info)
+            item.applied(outcome)
     return done
 
 

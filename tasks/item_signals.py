@@ -3,20 +3,21 @@
 A group is one pool job, not one Celery task per request, so Celery's tracer fires nothing
 for its requests. Here each request gets what the tracer gives a task: ``task.request``
 pushed with the message's headers (trace context included), ``delivery_info`` and
-``retries``, then ``task_prerun``, and once the group's round trip answered,
-``task_success`` and ``task_postrun`` with the registered task as sender. OpenTelemetry's
-and Sentry's Celery integrations, and any handler, see it as they see any task.
+``retries``, and ``task_prerun``, ``task_success`` and ``task_postrun`` with the registered
+task as sender, so OpenTelemetry's Celery instrumentation and any handler see it as they
+see any task. (Sentry's Celery integration wraps Celery's tracer instead: it sees the
+requests that leave the group, which is where failures go.)
 
-The group's items are applied by one store call, so their prerun signals all come before it
-and their postrun signals after it. Each request's signals run in a ``contextvars.Context``
-of its own (copied before the first one), so what a handler makes current in prerun (an
-OpenTelemetry span) is current again in that request's postrun and never becomes the parent
-of the next request's span.
-
-A request that leaves the group for the single-task path (the store refused its item, or
-the store could not be reached) gets ``task_postrun`` with state ``RETRY`` here, as a task
-that Celery retries does; the single-task path then fires its own signals. A request that
-never parsed gets none here. Nothing is built unless a signal has receivers.
+A request's signals come once its group's round trip answered, and only if its item was
+applied there: prerun, success, postrun, each in a ``contextvars.Context`` of its own, so
+what a handler makes current in prerun (an OpenTelemetry span) is current again in that
+request's postrun and never becomes the parent of the next request's span. A request that
+leaves the group for the single-task path (the store refused its item, or could not be
+reached) gets nothing here: that task's tracer signals it, once, as without coalescing. So
+a handler counts each request's prerun, success or failure, and postrun exactly once. The
+price: a span a prerun handler opens covers the signals, not the group's shared round trip
+(the ``task-succeeded`` event's runtime does). Nothing is built unless a signal has
+receivers.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ class ItemSignals:
         finally:
             self.task.pop_request()
 
-    def prerun(self) -> None:
+    def applied(self, retval: Any) -> None:
+        """The request's item was applied: its prerun, success and postrun, in order."""
         self._send(
             signals.task_prerun,
             task_id=self.task_id,
@@ -87,16 +89,7 @@ class ItemSignals:
             args=self.args,
             kwargs=self.kwargs,
         )
-
-    def succeeded(self, retval: Any, runtime: float) -> None:
-        self._send(signals.task_success, result=retval, runtime=runtime)
-        self._postrun(retval, states.SUCCESS)
-
-    def left_group(self) -> None:
-        """The request runs again as a single task, which signals on its own."""
-        self._postrun(None, states.RETRY)
-
-    def _postrun(self, retval: Any, state: str) -> None:
+        self._send(signals.task_success, result=retval)
         self._send(
             signals.task_postrun,
             task_id=self.task_id,
@@ -104,5 +97,5 @@ class ItemSignals:
             args=self.args,
             kwargs=self.kwargs,
             retval=retval,
-            state=state,
+            state=states.SUCCESS,
         )

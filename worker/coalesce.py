@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery.exceptions import InvalidTaskError
+from celery.utils.imports import symbol_by_name
 from celery.worker import state as worker_state
+from celery.worker.strategy import create_request_cls
 from celery.worker.strategy import default as default_strategy
 from kombu.exceptions import ContentDisallowed, DecodeError
 from redis import exceptions as redis_errors
@@ -63,10 +65,11 @@ class _Pending:
     ack: Any
     reject: Any
     callbacks: Any
+    #: Runs the message as the single task it is (``single_task``).
     fallback: Handler
 
     def run_as_task(self, consumer: Any) -> None:
-        """Hand the message to Celery's own strategy: one task, as without coalescing.
+        """Hand the message to Celery's own path: one task, as without coalescing.
 
         Refusals are routed as Celery's ``on_task_received`` routes them (our consumer
         dead-letters them); anything else leaves the message to be redelivered.
@@ -171,8 +174,6 @@ class Coalescer:
             (p.task, p.task_id, _body(p.message), p.message.headers, p.message.delivery_info)
             for p in group
         ]
-        for pending in group:
-            self.events.started(pending.celery_task, pending.task_id)
         # Counted as Celery counts the tasks its pool accepts (``celery inspect stats``).
         worker_state.total_count.update(p.task for p in group)
         sent = time.monotonic()
@@ -180,7 +181,10 @@ class Coalescer:
         def on_done(done: list[Settled | None]) -> None:
             runtime = time.monotonic() - sent
             for pending, ok in zip(group, done, strict=False):
+                # Started only once applied: a request that leaves the group is started
+                # (and ends) as the single task it runs as, once, as without coalescing.
                 if ok is not None:
+                    self.events.started(pending.celery_task, pending.task_id)
                     self.events.succeeded(pending.celery_task, pending.task_id, runtime)
             self._settle(group, done)
 
@@ -307,9 +311,46 @@ def eligible(message: Any) -> bool:
     )
 
 
+def single_task(task: Any, app: Any, consumer: Any, fallback: Handler) -> Handler:
+    """What Celery's strategy (``fallback``) does with a message after announcing it, for a
+    request that leaves its group: it was announced (``task_received``, ``task-received``)
+    when it joined, so monitors see it received once, as without coalescing. A rate-limited
+    task goes through ``fallback`` whole (its bucket is Celery's to wait on)."""
+    hostname, eventer = consumer.hostname, consumer.event_dispatcher
+    request_cls = create_request_cls(
+        symbol_by_name(task.Request), task, consumer.pool, hostname, eventer, app=app
+    )
+
+    def run(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any) -> Any:
+        if not consumer.disable_rate_limits and consumer.task_buckets[task.name]:
+            return fallback(message, body, ack, reject, callbacks)
+        request = request_cls(
+            message,
+            on_ack=ack,
+            on_reject=reject,
+            app=app,
+            hostname=hostname,
+            eventer=eventer,
+            task=task,
+            connection_errors=consumer.connection_errors,
+            body=message.body,
+            headers=message.headers,
+            decoded=False,
+            utc=app.uses_utc_timezone(),
+        )
+        worker_state.task_reserved(request)
+        for callback in callbacks or ():
+            callback(request)
+        consumer.on_task_request(request)
+        return None
+
+    return run
+
+
 def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Handler:
     """Celery strategy for the coalesced tasks: group what is eligible, the rest as usual."""
     fallback = default_strategy(task, app, consumer, **kwargs)
+    resume = single_task(task, app, consumer, fallback)
     coalescer: Coalescer | None = getattr(consumer, "_checkpointq_coalescer", None)
     if coalescer is None:
         settings = app.conf.checkpointq_coalesce
@@ -331,7 +372,7 @@ def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Handler:
             return fallback(message, body, ack, reject, callbacks, **kw)
         headers = message.headers
         coalescer.add(
-            _Pending(message, task, task.name, headers["id"], ack, reject, callbacks, fallback)
+            _Pending(message, task, task.name, headers["id"], ack, reject, callbacks, resume)
         )
         return None
 

@@ -9,9 +9,13 @@ calls these instead, with the same fields: its own uuid and name, the producer's
 ``argsrepr``/``kwargsrepr`` cut to ``REPR_MAX`` characters (checkpointq's producers write
 a brief one: session id, version and size, never the history), and the runtime of its
 group's pool job. The events go through the consumer's own dispatcher, which buffers task
-events and publishes them together once per event loop turn. A request that leaves its
-group runs as the single task it is, whose ``Request`` sends its own events (received,
-started, then succeeded, retried or rejected).
+events and publishes them together once per event loop turn.
+
+A request is received when it joins a group, and started and succeeded once the group's
+answer says its item was applied. A request that leaves its group is not announced again:
+it runs as the single task it is (``coalesce.single_task``), whose ``Request`` sends
+started, then succeeded, retried, failed or rejected. So each request shows one received,
+one started and one outcome, as without coalescing.
 
 With events off and no ``task_received`` receivers, nothing here builds anything.
 """
@@ -80,7 +84,8 @@ class GroupEvents:
         )
 
     def started(self, task: Any, task_id: str) -> None:
-        """As ``Request.on_accepted``: the pool took the request."""
+        """As ``Request.on_accepted``, sent when the group's answer came (with its
+        ``succeeded``): until then the request might still leave the group."""
         eventer = self._eventer(task)
         if eventer is not None:
             eventer.send("task-started", uuid=task_id)

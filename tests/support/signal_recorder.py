@@ -54,6 +54,14 @@ def _success(sender: Any, result: Any, **_: Any) -> None:
     _record("success", sender, sender.request.id)
 
 
+def _failure(sender: Any, task_id: str, **_: Any) -> None:
+    _record("failure", sender, task_id)
+
+
+def _retry(sender: Any, request: Any, **_: Any) -> None:
+    _record("retry", sender, request.id)
+
+
 def _received(sender: Any, request: Any, **_: Any) -> None:
     if not _PATH:
         return
@@ -63,4 +71,6 @@ def _received(sender: Any, request: Any, **_: Any) -> None:
 signals.task_prerun.connect(_prerun, weak=False)
 signals.task_postrun.connect(_postrun, weak=False)
 signals.task_success.connect(_success, weak=False)
+signals.task_failure.connect(_failure, weak=False)
+signals.task_retry.connect(_retry, weak=False)
 signals.task_received.connect(_received, weak=False)
