@@ -62,6 +62,9 @@ type Config struct {
 	// as with the Go RedisStore, at the cost of the worker's latency); a refused request
 	// is then their error. Off by default: they return as soon as the broker has them.
 	WaitOnWrite bool
+	// TraceHeaders, when set, gives each request the trace context of its ctx (W3C
+	// traceparent, tracestate, baggage), so the worker's span continues the caller's trace.
+	TraceHeaders TraceHeaders
 }
 
 // Handle names a request on its way: pass it to WaitDurable.
@@ -261,7 +264,13 @@ func (c *Client[C]) enqueue(ctx context.Context, h Handle, body []byte, argsRepr
 	}
 	h.TaskID = taskID
 	kwargsRepr := "{'seq': " + strconv.FormatInt(h.Seq, 10) + "}"
-	msg, err := buildEnvelope(h.Task, taskID, c.cfg.Queue, c.replyTo, c.origin, argsRepr, kwargsRepr, body)
+	var trace []byte
+	if c.cfg.TraceHeaders != nil {
+		if trace, err = traceHeaderFields(c.cfg.TraceHeaders(ctx)); err != nil {
+			return Handle{}, err
+		}
+	}
+	msg, err := buildEnvelope(h.Task, taskID, c.cfg.Queue, c.replyTo, c.origin, argsRepr, kwargsRepr, trace, body)
 	if err != nil {
 		return Handle{}, err
 	}

@@ -54,14 +54,15 @@ func protocolBody(argsJSON []byte, seq int64) []byte {
 // as Celery's (kombu's) Redis transport stores it, what one LPUSH onto the queue carries.
 // Keys and values follow tasks/producer/fast_publish.py, which writes exactly what send_task
 // writes. It is assembled from bytes rather than marshalled: encoding/json would scan the
-// whole base64 body for characters to escape, and base64 has none.
-func buildEnvelope(task, taskID, queue, replyTo, origin, argsRepr, kwargsRepr string, body []byte) ([]byte, error) {
+// whole base64 body for characters to escape, and base64 has none. extraHeaders are more
+// header members, each starting with a comma (traceHeaderFields).
+func buildEnvelope(task, taskID, queue, replyTo, origin, argsRepr, kwargsRepr string, extraHeaders, body []byte) ([]byte, error) {
 	tag, err := newUUID()
 	if err != nil {
 		return nil, err
 	}
 	n := base64.StdEncoding.EncodedLen(len(body))
-	buf := make([]byte, 0, n+1024+len(argsRepr))
+	buf := make([]byte, 0, n+1024+len(argsRepr)+len(extraHeaders))
 	buf = append(buf, `{"body":"`...)
 	buf = buf[:len(buf)+n]
 	base64.StdEncoding.Encode(buf[len(buf)-n:], body)
@@ -74,8 +75,9 @@ func buildEnvelope(task, taskID, queue, replyTo, origin, argsRepr, kwargsRepr st
 		[]byte(`,"parent_id":null,"argsrepr":`), jsonString(argsRepr),
 		[]byte(`,"kwargsrepr":`), jsonString(kwargsRepr),
 		[]byte(`,"origin":`), jsonString(origin),
-		[]byte(`,"ignore_result":null,"replaced_task_nesting":0,"stamped_headers":null,"stamps":{}},` +
-			`"properties":{"correlation_id":`), jsonString(taskID),
+		[]byte(`,"ignore_result":null,"replaced_task_nesting":0,"stamped_headers":null,"stamps":{}`),
+		extraHeaders,
+		[]byte(`},"properties":{"correlation_id":`), jsonString(taskID),
 		[]byte(`,"reply_to":`), jsonString(replyTo),
 		[]byte(`,"delivery_mode":2,"delivery_info":{"exchange":"","routing_key":`), jsonString(queue),
 		[]byte(`},"priority":0,"body_encoding":"base64","delivery_tag":`), jsonString(tag),

@@ -102,6 +102,11 @@ type worker struct {
 }
 
 func startWorker(brokerURL, storeURL string) (*worker, error) {
+	return startWorkerWith(brokerURL, storeURL, nil)
+}
+
+// startWorkerWith starts `checkpointq worker args...` with extraEnv added to its settings.
+func startWorkerWith(brokerURL, storeURL string, extraEnv []string, args ...string) (*worker, error) {
 	bin := os.Getenv("CHECKPOINTQ_BIN")
 	if bin == "" {
 		return nil, fmt.Errorf("CHECKPOINTQ_BIN is not set: run the Go tests with scripts/test-go, which sets it to .venv/bin/checkpointq")
@@ -133,7 +138,8 @@ func startWorker(brokerURL, storeURL string) (*worker, error) {
 		"CHECKPOINTQ_SHUTDOWN_TIMEOUT_SECONDS=2",
 		"CHECKPOINTQ_LOG_LEVEL=INFO",
 	)
-	w.cmd = exec.Command(bin, "worker")
+	env = append(env, extraEnv...)
+	w.cmd = exec.Command(bin, append([]string{"worker"}, args...)...)
 	w.cmd.Dir, w.cmd.Env, w.cmd.Stdout, w.cmd.Stderr = dir, env, out, out
 	if err := w.cmd.Start(); err != nil {
 		return nil, err
