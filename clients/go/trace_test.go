@@ -54,8 +54,8 @@ func readSignals(t *testing.T, path string) []recordedSignal {
 
 // Given a default (coalescing) worker loading a module that records each task signal with
 // task.request.traceparent (-I tests.support.signal_recorder), when Go saves and deletes
-// with TraceHeaders set, then each request's prerun, success and postrun see the
-// traceparent of the context it was sent with.
+// with TraceHeaders set, then each request is received, prerun, succeeded and postrun once,
+// and its pool-side signals see the traceparent of the context it was sent with.
 func TestTraceparentReachesTheWorkersTaskRequest(t *testing.T) {
 	broker, err := startRedis()
 	if err != nil {
@@ -120,21 +120,29 @@ func TestTraceparentReachesTheWorkersTaskRequest(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	seen := map[string]int{}
+	seen := map[string]map[string]int{} // task id -> signal -> count
 	for _, line := range readSignals(t, log) {
 		tp, ours := sent[line.TaskID]
-		if !ours || line.Signal == "received" {
+		if !ours {
 			continue
 		}
-		seen[line.TaskID]++
+		if seen[line.TaskID] == nil {
+			seen[line.TaskID] = map[string]int{}
+		}
+		seen[line.TaskID][line.Signal]++
+		if line.Signal == "received" { // in the main process, before task.request exists
+			continue
+		}
 		if line.RequestID != line.TaskID || line.Traceparent == nil || *line.Traceparent != tp {
 			t.Errorf("%s of %s: task.request id %s, traceparent %v; want %s", line.Signal, line.TaskID,
 				line.RequestID, line.Traceparent, tp)
 		}
 	}
 	for id := range sent {
-		if seen[id] != 3 { // prerun, success, postrun
-			t.Errorf("request %s: %d signals in the pool, want 3", id, seen[id])
+		for _, signal := range []string{"received", "prerun", "success", "postrun"} {
+			if seen[id][signal] != 1 {
+				t.Errorf("request %s: %d %s signals, want 1 (%v)", id, seen[id][signal], signal, seen[id])
+			}
 		}
 	}
 }
