@@ -9,8 +9,9 @@ by its own ``seq``), and acknowledges each message only once its own item is dur
 delivery guarantees stay those of one task per message. A group goes at the end of the event
 loop's turn when nothing is in the pool, after ``window`` while another group is, the moment
 a pool process frees up while all are busy, and at once when full. Anything a group cannot
-apply runs again as the single task it is (dead letters, retries and refusals keep their one
-path); retries, ETA, expiry and protocol 1 never enter a group. Only the prefork and solo
+apply runs again as the single task it is (``single_task``: monitors see it received once,
+and dead letters, retries and refusals keep their one path); retries, ETA, expiry and
+protocol 1 never enter a group. Only the prefork and solo
 pools coalesce. docs/design.md has the rules in full and why not ``celery-batches``.
 """
 
@@ -180,12 +181,12 @@ class Coalescer:
 
         def on_done(done: list[Settled | None]) -> None:
             runtime = time.monotonic() - sent
-            for pending, ok in zip(group, done, strict=False):
-                # Started only once applied: a request that leaves the group is started
-                # (and ends) as the single task it runs as, once, as without coalescing.
-                if ok is not None:
-                    self.events.started(pending.celery_task, pending.task_id)
-                    self.events.succeeded(pending.celery_task, pending.task_id, runtime)
+            # Started only once applied: a request that leaves the group is started (and
+            # ends) as the single task it runs as, once, as without coalescing.
+            self.events.applied(
+                ((p.celery_task, p.task_id) for p, ok in zip(group, done, strict=False) if ok),
+                runtime,
+            )
             self._settle(group, done)
 
         def on_error(exc: Any) -> None:

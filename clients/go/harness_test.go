@@ -73,6 +73,17 @@ func startRedis(extraArgs ...string) (*redisServer, error) {
 	return s, nil
 }
 
+// privateRedis is a redis-server for the calling test alone, stopped once it ended.
+func privateRedis(t *testing.T) *redisServer {
+	t.Helper()
+	s, err := startRedis()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Stop)
+	return s
+}
+
 func (s *redisServer) URL() string { return "redis://" + s.Addr + "/0" }
 
 // Do runs one command on the server (test set-up and inspection).

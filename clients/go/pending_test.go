@@ -376,16 +376,7 @@ func TestALoadFailsClearlyWhenTheBrokerIsDown(t *testing.T) {
 
 func TestABrokerThatLostItsDataIsCountedAndLoadsReadTheStore(t *testing.T) {
 	// Given a private broker and store, a session in the store and a newer save pending
-	broker, err := startRedis()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer broker.Stop()
-	store, err := startRedis()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer store.Stop()
+	broker, store := privateRedis(t), privateRedis(t)
 	c := New[Checkpoint](Config{Broker: newRedigo(broker.Addr), Store: newRedigo(store.Addr)})
 	ctx := background(t)
 	old := sampleCheckpoint("s", 1, "applied")

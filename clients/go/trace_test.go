@@ -57,16 +57,7 @@ func readSignals(t *testing.T, path string) []recordedSignal {
 // with TraceHeaders set, then each request is received, prerun, succeeded and postrun once,
 // and its pool-side signals see the traceparent of the context it was sent with.
 func TestTraceparentReachesTheWorkersTaskRequest(t *testing.T) {
-	broker, err := startRedis()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer broker.Stop()
-	store, err := startRedis()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer store.Stop()
+	broker, store := privateRedis(t), privateRedis(t)
 	repo, err := filepath.Abs("../..")
 	if err != nil {
 		t.Fatal(err)
