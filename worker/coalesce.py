@@ -11,8 +11,8 @@ loop's turn when nothing is in the pool, after ``window`` while another group is
 a pool process frees up while all are busy, and at once when full. Anything a group cannot
 apply runs again as the single task it is (``single_task``: monitors see it received once,
 and dead letters, retries and refusals keep their one path); retries, ETA, expiry and
-protocol 1 never enter a group. Only the prefork and solo
-pools coalesce. docs/design.md has the rules in full and why not ``celery-batches``.
+protocol 1 never enter a group. Only the prefork and solo pools coalesce. docs/design.md
+has the rules in full and why not ``celery-batches``.
 """
 
 from __future__ import annotations
