@@ -3,7 +3,7 @@
 The default worker coalesces single saves and deletes (worker/coalesce.py); a handler of
 ``task_prerun``, ``task_postrun`` and ``task_success`` must still see each request as one
 task, with ``task.request`` naming it, whichever producer sent it (the Python client, or a
-producer without Celery that LPUSHes the envelope itself, as the Go client does).
+producer without Celery that LPUSHes the envelope itself, as the Go client writes it).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from checkpointq.worker.settings import Settings
 from tests.observability.conftest import CHECKPOINTQ
 from tests.support.celery_processes import CeleryProcess, checkpointq_env
 from tests.support.checkpoints import make_checkpoint
-from tests.support.envelopes import protocol2
+from tests.support.envelopes import go_style
 from tests.support.servers import RedisServer, wait_until
 from tests.support.workers import QUEUE, TEST_WORKER_SETTINGS
 
@@ -77,11 +77,11 @@ def test_an_included_module_sees_each_coalesced_request_once(
             ids[client.delete(f"py-{n}").task_id] = DELETE
     broker = broker_server.client()
     for n in range(10):
-        message = protocol2(SAVE, [checkpoint_to_wire(make_checkpoint(f"go-{n}"))], {"seq": n + 1})
+        message = go_style(SAVE, [checkpoint_to_wire(make_checkpoint(f"go-{n}"))], n + 1)
         ids[json.loads(message)["headers"]["id"]] = SAVE
         broker.lpush(QUEUE, message)
     for n in range(5):
-        message = protocol2(DELETE, [f"go-{n}"], {"seq": 100 + n})
+        message = go_style(DELETE, [f"go-{n}"], 100 + n)
         ids[json.loads(message)["headers"]["id"]] = DELETE
         broker.lpush(QUEUE, message)
 

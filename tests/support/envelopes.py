@@ -62,3 +62,49 @@ def protocol1(
             },
         }
     )
+
+
+def go_style(task: str, args: list[Any], seq: int, *, queue: str = "checkpoints") -> str:
+    """The envelope ``clients/go`` publishes (envelope.go's ``buildEnvelope``): every header
+    and property Celery's ``send_task`` writes, ``lang`` "go", and the body's embed part."""
+    task_id = str(uuid.uuid4())
+    body = json.dumps(
+        [args, {"seq": seq}, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}]
+    ).encode()
+    return json.dumps(
+        {
+            "body": base64.b64encode(body).decode(),
+            "content-encoding": "utf-8",
+            "content-type": "application/json",
+            "headers": {
+                "lang": "go",
+                "task": task,
+                "id": task_id,
+                "shadow": None,
+                "eta": None,
+                "expires": None,
+                "group": None,
+                "group_index": None,
+                "retries": 0,
+                "timelimit": [None, None],
+                "root_id": task_id,
+                "parent_id": None,
+                "argsrepr": repr(args)[:100],
+                "kwargsrepr": f"{{'seq': {seq}}}",
+                "origin": "gen1@go-producer",
+                "ignore_result": None,
+                "replaced_task_nesting": 0,
+                "stamped_headers": None,
+                "stamps": {},
+            },
+            "properties": {
+                "correlation_id": task_id,
+                "reply_to": str(uuid.uuid4()),
+                "delivery_mode": 2,
+                "delivery_info": {"exchange": "", "routing_key": queue},
+                "priority": 0,
+                "body_encoding": "base64",
+                "delivery_tag": str(uuid.uuid4()),
+            },
+        }
+    )
