@@ -34,7 +34,8 @@ REPR_MAX = 200
 #: Task events the consumer's dispatcher buffers before it publishes them at once. It
 #: publishes what it holds at the end of each event loop turn anyway; Celery's limit (24)
 #: would also publish a full group's 96 events in four broker round trips (each one a JSON
-#: dump, a base64 copy and a PUBLISH), where this lets a turn's events go in one.
+#: dump, a base64 copy and the exchange's binding lookup), where this lets a turn's events
+#: go in one.
 EVENTS_PER_PUBLISH = 512
 
 
