@@ -462,7 +462,7 @@ func (c *Client[C]) List(ctx context.Context) ([]string, error) {
 	if err := list(ctx, now, seen); err != nil {
 		return nil, c.readError(op, err)
 	}
-	if err := c.mergePending(ctx, pending, seen); errors.Is(err, ErrCorrupt) {
+	if err := c.mergePending(ctx, now, pending, seen); errors.Is(err, ErrCorrupt) {
 		return nil, err
 	} else if err != nil {
 		return nil, c.readError(op, err)

@@ -169,9 +169,12 @@ func (c *Client[C]) pendingSessions(ctx context.Context, now int64) (map[string]
 	return records, err
 }
 
-// mergePending applies to seen (the store's live ids) each pending record newer than its
-// session's fence: a save lists the session, a delete hides it.
-func (c *Client[C]) mergePending(ctx context.Context, pending map[string]pendingRecord, seen map[string]struct{}) error {
+// mergePending applies to seen (the store's live ids, listed before the fences are read)
+// each pending record newer than its session's fence: a save lists the session, a delete
+// hides it. Where a worker applied the request since the listing, the fence says the
+// session's state instead: listed iff its last request was a save whose deadline (ms) is
+// after now.
+func (c *Client[C]) mergePending(ctx context.Context, now int64, pending map[string]pendingRecord, seen map[string]struct{}) error {
 	if len(pending) == 0 {
 		return nil
 	}
@@ -194,18 +197,23 @@ func (c *Client[C]) mergePending(ctx context.Context, pending map[string]pending
 		}
 	}
 	for _, batch := range batches {
-		err := c.hmgetEach(ctx, c.cfg.Store, batch, c.keys.fence, []interface{}{"seq"},
+		err := c.hmgetEach(ctx, c.cfg.Store, batch, c.keys.fence, []interface{}{"seq", "deleted", "deadline"},
 			func(id string, values []interface{}) error {
 				seq, hasFence, err := replyInt(values[0])
 				if err != nil {
 					return fmt.Errorf("%w: fence of %q: %v", ErrCorrupt, id, err)
 				}
-				if rec := pending[id]; rec.wins(seq, hasFence) {
-					if rec.deleted {
-						delete(seen, id)
-					} else {
-						seen[id] = struct{}{}
-					}
+				listed := !pending[id].deleted
+				if !pending[id].wins(seq, hasFence) {
+					deleted, _ := replyText(values[1])
+					deadline, _ := replyText(values[2])
+					due, err := strconv.ParseFloat(deadline, 64)
+					listed = deleted != "1" && err == nil && due > float64(now)
+				}
+				if listed {
+					seen[id] = struct{}{}
+				} else {
+					delete(seen, id)
 				}
 				return nil
 			})

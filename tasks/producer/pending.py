@@ -284,7 +284,8 @@ class PendingRecords:
 
     def list(self) -> list[str]:
         """The store's live sessions, plus those whose record is a save newer than their
-        fence, minus those whose record is a delete newer than theirs; sorted.
+        fence, minus those whose record is a delete newer than theirs (or, for a record a
+        worker applied meanwhile, as its fence says); sorted.
 
         Raises:
             BrokerUnavailable: the broker did not answer.
@@ -293,13 +294,15 @@ class PendingRecords:
         records = self.live_records()  # first, as for a load
         sessions = set(self.store.list())
         ids = sorted(records)
+        # The fences are read after the listing, so where a worker applied the request
+        # in between, the fence, not the listing, is the session's state.
         for session_id, fence in zip(ids, self.store.fences(ids), strict=True):
             record = records[session_id]
-            if record.wins(fence):
-                if record.deleted:
-                    sessions.discard(session_id)
-                else:
-                    sessions.add(session_id)
+            listed = not record.deleted if record.wins(fence) else fence is not None and fence.live
+            if listed:
+                sessions.add(session_id)
+            else:
+                sessions.discard(session_id)
         return sorted(sessions)
 
     def _unavailable(self, what: str, exc: Exception) -> BrokerUnavailable:

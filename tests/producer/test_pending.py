@@ -105,6 +105,33 @@ def test_a_pending_save_of_a_new_session_is_listed(
     assert b.load("new") is not None
 
 
+@pytest.mark.parametrize("op", ["save", "delete"])
+def test_a_request_applied_between_the_listing_and_the_fences_is_listed_as_applied(
+    replicas: tuple[CheckpointClient, CheckpointClient],
+    monkeypatch: pytest.MonkeyPatch,
+    op: str,
+) -> None:
+    a, b = replicas
+    # Given a stored session, and a queued save of a new one or delete of the stored one
+    a.store.save(make_checkpoint("old", version=1), seq=100)
+    handle = a.save(make_checkpoint("new", version=1)) if op == "save" else a.delete("old")
+    assert handle.seq is not None
+    listing = b.store.list
+
+    def worker_applies_it_after_the_listing() -> list[str]:
+        listed = listing()
+        if op == "save":
+            a.store.save(make_checkpoint("new", version=1), seq=handle.seq)
+        else:
+            a.store.delete("old", seq=handle.seq)
+        return listed
+
+    # When a worker applies it after B's list read the store but before it read the fences
+    monkeypatch.setattr(b.store, "list", worker_applies_it_after_the_listing)
+    # Then B lists the session as the request left it (the fence, newer than the listing)
+    assert b.list() == (["new", "old"] if op == "save" else [])
+
+
 def test_the_store_answers_once_it_holds_the_records_request_or_a_newer_one(
     replicas: tuple[CheckpointClient, CheckpointClient],
 ) -> None:
