@@ -205,6 +205,15 @@ class KeySpace:
         """The broker's pending epoch: a new token means it lost its records."""
         return f"{self._internal}:pending-epoch"
 
+    def oversize_index(self) -> str:
+        """The raw bodies of oversize queue items kept on the broker (raw key -> time)."""
+        return f"{self._internal}:oversize"
+
+    def oversize_body(self, token: str) -> str:
+        """One oversize queue item, as it was in the queue, on the broker; ``token`` is
+        random, so the name carries nothing from the item."""
+        return f"{self._internal}:oversize:{token}"
+
 
 @dataclass(frozen=True, slots=True)
 class ClusterKeySpace(KeySpace):

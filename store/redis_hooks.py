@@ -1,5 +1,6 @@
 """Every use of redis-py below its client API, in one place: sending packed commands down a
-pooled connection and reading their replies by hand.
+pooled connection and reading their replies by hand, and peeking at a pop's reply on the
+socket to learn its item's length before anything reads it (``worker/oversize.py``).
 
 Nothing else in checkpointq reaches past redis-py's public client API (commands, pipelines,
 ``Script``); when redis-py changes its connection classes, this module is the one to re-read.
@@ -12,7 +13,13 @@ writes go through the pipeline, and one line says so.
 from __future__ import annotations
 
 import logging
+import re
+import select
+import socket
+import ssl
+from collections.abc import Iterator
 from functools import cache
+from time import monotonic
 from typing import Any
 
 import redis
@@ -101,3 +108,98 @@ def _announce_pipeline(why: str) -> None:
     logger.warning(
         "store writes go through redis-py's pipeline: the hand-sent path is off (%s)", why
     )
+
+
+# -- reading a pop's reply by hand (worker/oversize.py) -------------------------------------
+
+#: ``*2`` ``$<key length>`` <key> ``$<item length>``: the start of BRPOP's reply, in RESP2 and
+#: RESP3 alike.
+_POP_REPLY = re.compile(rb"\*2\r\n\$(\d{1,9})\r\n")
+_BULK = re.compile(rb"\$(\d{1,10})\r\n")
+#: Bytes peeked for a reply's start: room for the longest queue key kombu names.
+_PEEK_BYTES = 1024
+#: How long a reply's start may take to arrive once its first bytes did, seconds.
+_PEEK_PATIENCE = 2.0
+
+
+def _parser_holds_bytes(connection: Any) -> bool:
+    """Whether the connection's parser has read bytes it has not yet parsed (hiredis's
+    reader or the Python parser's buffer): the socket then does not start at a reply."""
+    parser = getattr(connection, "_parser", None)
+    reader = getattr(parser, "_reader", None)
+    if reader is not None:
+        return bool(reader.has_data()) if hasattr(reader, "has_data") else True
+    buffer = getattr(parser, "_buffer", None)
+    if buffer is not None:
+        return bool(buffer.unread_bytes())
+    return parser is None
+
+
+def peek_pop_reply(connection: Any) -> tuple[int, bytes, int] | None:
+    """The length of the start of the BRPOP reply waiting on ``connection``'s socket, the
+    key it names and the length of the item it carries, all left unread; None when that
+    cannot be known (no plain socket, TLS, bytes already read by the parser, or no item).
+    """
+    sock = getattr(connection, "_sock", None)
+    if not isinstance(sock, socket.socket) or isinstance(sock, ssl.SSLSocket):
+        return None
+    if refusal() is not None or _parser_holds_bytes(connection):
+        return None
+    deadline = monotonic() + _PEEK_PATIENCE
+    while True:
+        try:
+            start = sock.recv(_PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            start = b""
+        except OSError:
+            return None  # the parser will meet the same error and report it
+        parsed = _pop_reply_start(start)
+        if parsed is not None or len(start) >= _PEEK_BYTES or not start.startswith(b"*2"):
+            return parsed
+        if monotonic() > deadline:
+            return None
+        select.select([sock], [], [], 0.01)
+
+
+def _pop_reply_start(start: bytes) -> tuple[int, bytes, int] | None:
+    array = _POP_REPLY.match(start)
+    if array is None:
+        return None
+    key_at = array.end()
+    key_end = key_at + int(array.group(1))
+    if start[key_end : key_end + 2] != b"\r\n":
+        return None
+    bulk = _BULK.match(start, key_end + 2)
+    if bulk is None:
+        return None
+    return bulk.end(), start[key_at:key_end], int(bulk.group(1))
+
+
+def discard(connection: Any, size: int) -> None:
+    """Read and drop exactly ``size`` bytes from ``connection``'s socket."""
+    for _ in stream(connection, size, size):
+        pass
+
+
+def stream(connection: Any, size: int, chunk: int) -> Iterator[bytes]:
+    """Read exactly ``size`` bytes from ``connection``'s socket, ``chunk`` at a time (the
+    socket's own timeout applies to each read). The connection is closed if this stops
+    early: its reply is then cut short."""
+    sock: socket.socket = connection._sock
+    buffer = bytearray(min(size, chunk))
+    view = memoryview(buffer)
+    left = size
+    try:
+        while left:
+            filled = 0
+            want = min(left, len(buffer))
+            while filled < want:
+                got = sock.recv_into(view[filled:want])
+                if not got:
+                    raise redis_errors.ConnectionError("connection closed mid-reply")
+                filled += got
+            left -= filled
+            yield bytes(view[:filled])
+    except BaseException:
+        connection.disconnect()
+        raise

@@ -133,8 +133,11 @@ class DeadLetters:
         headers: dict[str, Any] | None = None,
         retries: int = 0,
         request_ids: Sequence[str] | None = None,
+        raw_bytes: int | None = None,
     ) -> str:
         """Append an entry and return its id.
+
+        ``raw_bytes``: the size of the whole body when ``raw`` is only a sample of it.
 
         Each of ``request_ids`` (default: ``task_id``) also gets a refusal record, so that
         a producer waiting on that request learns it was refused (and why) at once.
@@ -144,7 +147,7 @@ class DeadLetters:
                 entry at ERROR so that it is not lost silently.
         """
         body = _as_bytes(raw if raw is not None else _json([args, kwargs]))
-        size = len(body)
+        size = len(body) if raw_bytes is None else raw_bytes
         if kind is Reason.OVERSIZE:
             body = body[:OVERSIZE_SAMPLE_BYTES]
         fields: dict[str, bytes | str | int] = {

@@ -34,6 +34,7 @@ def refuse(
     retries: int = 0,
     request_ids: Sequence[str] | None = None,
     seq: int | None = None,
+    raw_bytes: int | None = None,
 ) -> str:
     """Record the dead letter, then tell the observers; return the entry's id.
 
@@ -54,6 +55,7 @@ def refuse(
         headers=headers,
         retries=retries,
         request_ids=request_ids,
+        raw_bytes=raw_bytes,
     )
     observers.notify(
         observers.Observation(

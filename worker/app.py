@@ -24,7 +24,7 @@ from checkpointq.tasks.policy import RetryPolicy
 from checkpointq.tasks.producer.client import PUBLISH_RETRY_POLICY
 from checkpointq.tasks.producer.pending import Settler
 from checkpointq.tasks.runtime import Runtime
-from checkpointq.worker import backpressure, beat, coalesce, logs, remote_control, reserve
+from checkpointq.worker import backpressure, beat, coalesce, logs, oversize, remote_control, reserve
 from checkpointq.worker import signals as _signals  # noqa: F401  # importing it connects the hooks
 from checkpointq.worker.ops import health, metrics
 from checkpointq.worker.settings import Settings
@@ -84,7 +84,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             sentinel_master=settings.sentinel_master,
             sentinel_password=settings.sentinel_password,
         )
-        | _reserve_options(settings.broker_url, settings.prefetch_max_bytes),
+        | _reserve_options(settings),
         # Producer side: retry a publish while the broker is briefly unreachable.
         "task_publish_retry": True,
         "task_publish_retry_policy": PUBLISH_RETRY_POLICY,
@@ -127,12 +127,17 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     }
 
 
-def _reserve_options(broker_url: str, max_held_bytes: int) -> dict[str, Any]:
-    """The worker's own transport option for a Redis broker: the bytes its main process
-    holds reserved at most (``worker/reserve.py``). RabbitMQ's client takes no such option."""
-    if broker_kind(broker_url) is BrokerKind.AMQP:
+def _reserve_options(settings: Settings) -> dict[str, Any]:
+    """The worker's own transport options for a Redis broker: the bytes its main process
+    holds reserved at most (``worker/reserve.py``) and the largest item it reads
+    (``worker/oversize.py``). RabbitMQ's client takes no such option."""
+    if settings.broker_url is None or broker_kind(settings.broker_url) is BrokerKind.AMQP:
         return {}
-    return {reserve.MAX_HELD_BYTES_OPTION: max_held_bytes}
+    return {
+        reserve.MAX_HELD_BYTES_OPTION: settings.prefetch_max_bytes
+    } | oversize.transport_options(
+        settings.key_prefix, settings.max_message_bytes, settings.oversize_kept
+    )
 
 
 def build_runtime(settings: Settings) -> Runtime:

@@ -29,6 +29,7 @@ from typing import Any
 
 from kombu.transport import redis as kombu_redis
 
+from checkpointq.worker import oversize
 from checkpointq.worker.hooks import kombu as kombu_hooks
 
 logger = logging.getLogger(__name__)
@@ -51,33 +52,40 @@ MIN_ROOM = 4
 
 @dataclass(frozen=True, slots=True)
 class Reserved:
-    """One popped message, and the tag it was recorded under (None: not recorded)."""
+    """One popped message, and the tag it was recorded under (None: not recorded).
+
+    An oversize item (``size`` set) was not popped into the reply: ``item`` holds only its
+    head and tail, and the item itself waits on the broker under the call's ``aside`` key.
+    """
 
     key: bytes
     queue: str
     item: bytes
     tag: str | None
+    size: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """One script call sent: the lists it reads (key, queue name) and how many it may take."""
+    """One script call sent: the lists it reads (key, queue name), how many it may take,
+    and the key an oversize item goes to (``oversize.py``)."""
 
     keys: list[bytes]
     queues: list[str]
     limit: int
+    aside: str = ""
 
     def parse(self, reply: list[Any]) -> list[Reserved]:
-        """The script's reply (triples: list index, item, tag or "") as messages."""
+        """The script's reply (triples: list index, item, tag, "" or "#size") as messages."""
         return [
-            Reserved(
-                self.keys[int(index) - 1],
-                self.queues[int(index) - 1],
-                item,
-                tag.decode() if tag else None,
-            )
+            self._reserved(int(index) - 1, item, tag.decode())
             for index, item, tag in zip(reply[::3], reply[1::3], reply[2::3], strict=True)
         ]
+
+    def _reserved(self, at: int, item: bytes, tag: str) -> Reserved:
+        if tag.startswith("#"):
+            return Reserved(self.keys[at], self.queues[at], item, None, int(tag[1:]))
+        return Reserved(self.keys[at], self.queues[at], item, tag or None)
 
 
 @dataclass(slots=True)
@@ -137,11 +145,15 @@ def byte_room(channel: Any) -> int | None:
 
 
 def request(
-    channel: Any, queues: list[str], limit: int, budget: int = BYTE_BUDGET
+    channel: Any,
+    queues: list[str],
+    limit: int,
+    budget: int = BYTE_BUDGET,
+    guard: oversize.Guard | None = None,
 ) -> tuple[Request, list[Any]]:
     """The call reading ``queues`` in BRPOP's order (each priority, then each queue), and
     the EVALSHA command that makes it (at most ``limit`` messages, ``budget`` bytes past
-    the first)."""
+    the first; an item over ``guard``'s limit set aside unread)."""
     names = [queue for _ in channel.priority_steps for queue in queues]
     keys = [
         kombu_hooks.queue_key(channel, queue, pri)
@@ -149,18 +161,23 @@ def request(
         for queue in queues
     ]
     encoded = [key.encode() if isinstance(key, str) else key for key in keys]
+    aside = guard.fresh_key() if guard is not None else ""
     command = [
         "EVALSHA",
         sha(),
-        2 + len(keys),
+        4 + len(keys),
         channel.unacked_key,
         channel.unacked_index_key,
+        aside or "-",
+        guard.keys.oversize_index() if guard is not None else "-",
         *keys,
         limit,
         budget,
         time(),
+        guard.max_item_bytes if guard is not None else 0,
+        oversize.SAMPLE_BYTES // 2,
     ]
-    return Request(encoded, names, limit), command
+    return Request(encoded, names, limit, aside), command
 
 
 def load(channel: Any) -> None:

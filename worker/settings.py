@@ -71,8 +71,14 @@ class Settings(BaseSettings):
     history_cap: int = Field(default=100, ge=1)
     #: Largest stored value after compression, bytes; older messages are dropped to fit.
     max_value_bytes: int = Field(default=1024 * 1024, ge=1024)
-    #: Largest task message accepted, bytes (JSON body); larger ones are dead-lettered.
+    #: Largest task message accepted, bytes (JSON body); larger ones are dead-lettered. On a
+    #: Redis broker a queue item too large to hold such a body (4/3 of it in base64, plus
+    #: 64 KiB of headers) is refused before the worker reads it whole: set aside on the
+    #: broker as it arrived (docs/reliability.md, "Oversize messages").
     max_message_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    #: Oversize queue items kept whole on the broker for ``checkpointq dlq replay``; past
+    #: this many the oldest are deleted (their dead letters keep a 64 KiB sample).
+    oversize_kept: int = Field(default=16, ge=0)
     #: How far a request's ``seq`` (the producer's clock, µs) may be ahead of the worker's
     #: clock; further ahead, it is dead-lettered, since it would make every later request
     #: for its session stale until the clocks meet (tasks/seq.py).

@@ -402,6 +402,8 @@ class Celery:
     process: subprocess.Popen[bytes] | None = None
     #: Log text of earlier runs of this object (it may be restarted).
     previous_logs: list[str] = field(default_factory=list)
+    #: Address space the process (and its pool) may take, bytes (``prlimit --as``).
+    address_space: int | None = None
 
     @property
     def logfile(self) -> Path:
@@ -437,6 +439,8 @@ class Celery:
             args += ["-n", f"fault-{self.name}@%h"]
         else:
             args += ["--schedule", str(self.workdir / "beat-schedule")]
+        if self.address_space is not None:
+            args = ["prlimit", f"--as={self.address_space}", "--", *args]
         if self.logfile.exists():
             self.previous_logs.append(self.log())
             self.logfile.unlink()
@@ -550,8 +554,9 @@ class Deployment:
     def env(self) -> dict[str, str]:
         return checkpointq_env(**self.all_settings)
 
-    def worker(self) -> Celery:
-        proc = Celery("worker", self.env())
+    def worker(self, address_space: int | None = None) -> Celery:
+        """A worker; with ``address_space`` (bytes) under that memory limit."""
+        proc = Celery("worker", self.env(), address_space=address_space)
         self.processes.append(proc)
         return proc.start()
 

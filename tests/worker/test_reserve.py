@@ -93,9 +93,9 @@ def script_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     real = reserve.request
 
-    def counted(channel: Any, queues: list[str], limit: int, *budget: int) -> Any:
+    def counted(channel: Any, queues: list[str], limit: int, *rest: Any) -> Any:
         calls.append(limit)
-        return real(channel, queues, limit, *budget)
+        return real(channel, queues, limit, *rest)
 
     monkeypatch.setattr(reserve, "request", counted)
     return calls
@@ -357,7 +357,10 @@ def _pop_one(client: redis.Redis, item: bytes) -> str | None:
     client.delete("q", "unacked", "unacked_index")
     client.rpush("q", item)
     script = client.register_script(reserve.source())
-    reply = script(keys=["unacked", "unacked_index", "q"], args=[10, 1 << 20, time.time()])
+    reply = script(
+        keys=["unacked", "unacked_index", "aside", "aside_index", "q"],
+        args=[10, 1 << 20, time.time(), 0, 0],
+    )
     assert reply[:2] == [1, item]
     tag = reply[2].decode()
     assert client.hlen("unacked") == (1 if tag else 0)
@@ -430,8 +433,8 @@ def test_an_item_that_cannot_be_recorded_ends_the_batch_and_comes_alone_next(
     script = redis_client.register_script(reserve.source())
 
     def run() -> list[Any]:
-        keys = ["unacked", "unacked_index", "q"]
-        return list(script(keys=keys, args=[10, 1 << 20, time.time()]))
+        keys = ["unacked", "unacked_index", "aside", "aside_index", "q"]
+        return list(script(keys=keys, args=[10, 1 << 20, time.time(), 0, 0]))
 
     # When the script runs: the two good ones, recorded; the bad one is back at the front
     assert run() == [1, good[0], b"tag-0", 1, good[1], b"tag-1"]

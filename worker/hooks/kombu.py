@@ -40,7 +40,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from checkpointq.store.errors import StoreUnavailable
 from checkpointq.tasks.dead_letters import Reason
 from checkpointq.tasks.refusals import refuse
-from checkpointq.worker import backpressure, reserve
+from checkpointq.worker import backpressure, oversize, reserve
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ def _brpop_start(self: Any, timeout: Any = None) -> None:
         return
     budget = reserve.BYTE_BUDGET if byte_room is None else min(reserve.BYTE_BUDGET, byte_room)
     reading.pending, command = reserve.request(
-        self, queues, reserve.BATCH_LIMIT if room is None else room, budget
+        self, queues, reserve.BATCH_LIMIT if room is None else room, budget, oversize.guard_of(self)
     )
     # As kombu's BRPOP: sent on the polled connection, read by _guarded_brpop_read.
     self._in_poll = self.client.connection
@@ -276,11 +276,34 @@ def _read_reserved(self: Any, sent: reserve.Request, **options: Any) -> bool:
         raise Empty()
     for done, reserved in enumerate(batch):
         try:
-            _deliver(self, reserved.key, reserved.item, reserved.queue, reserved.tag)
+            if reserved.size is not None:  # the script set it aside unread: its last
+                _refuse_aside(self, sent, reserved)
+            else:
+                _deliver(self, reserved.key, reserved.item, reserved.queue, reserved.tag)
         except BaseException:
-            reserve.put_back(self, batch[done + 1 :])
+            rest = batch[done + 1 :]
+            reserve.put_back(self, [r for r in rest if r.size is None])
+            for aside in (r for r in rest if r.size is not None):
+                _requeue_aside(self, sent, aside)
             raise
     return True
+
+
+def _refuse_aside(self: Any, sent: reserve.Request, reserved: reserve.Reserved) -> None:
+    guard = oversize.guard_of(self)
+    if guard is None or reserved.size is None:  # the script sets aside only with a guard
+        raise RuntimeError("an item was set aside without a guard")
+    oversize.record(
+        self, guard, reserved.queue, reserved.key, sent.aside, reserved.item, reserved.size
+    )
+
+
+def _requeue_aside(self: Any, sent: reserve.Request, reserved: reserve.Reserved) -> None:
+    """Put an item set aside back in its queue: its delivery never came."""
+    guard = oversize.guard_of(self)
+    if guard is not None:
+        with self.conn_or_acquire() as client:
+            oversize.requeue(client, guard.keys, sent.aside, reserved.key)
 
 
 def _guarded_brpop_read(self: Any, **options: Any) -> bool:
@@ -291,6 +314,10 @@ def _guarded_brpop_read(self: Any, **options: Any) -> bool:
     if sent is not None:
         return _read_reserved(self, sent, **options)
     try:
+        guard = oversize.guard_of(self)
+        if guard is not None and oversize.take_reply(self, self.client.connection, guard):
+            reading.busy = True  # an oversize item, set aside unread: more may be queued
+            return True
         try:
             dest__item = self.client.parse_response(self.client.connection, "BRPOP", **options)
         except self.connection_errors:

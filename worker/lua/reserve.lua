@@ -7,18 +7,25 @@
 --
 -- KEYS[1]  unacked hash: delivery tag -> JSON [message, exchange, routing key]
 -- KEYS[2]  unacked index: sorted set of delivery tag -> the worker's time() when reserved
--- KEYS[3..] the queue lists, in the order kombu's BRPOP names them (priority, then queue)
+-- KEYS[3]  where an oversize item goes, as it was (a fresh key: one per call at most)
+-- KEYS[4]  the index of kept oversize items: sorted set of their keys -> ARGV[3]
+-- KEYS[5..] the queue lists, in the order kombu's BRPOP names them (priority, then queue)
 -- ARGV[1]  how many messages at most (the room left in the prefetch window)
 -- ARGV[2]  how many bytes at most (at least one message is taken, whatever its size)
 -- ARGV[3]  the score: the worker's time(), as kombu's QoS.append takes it
+-- ARGV[4]  the largest item the worker may read, bytes (0: no limit)
+-- ARGV[5]  bytes of an oversize item's head and of its tail returned to the worker
 --
--- Returns a flat array of triples: the index of the list it came from (1 = KEYS[3]), the
+-- Returns a flat array of triples: the index of the list it came from (1 = KEYS[5]), the
 -- message as it was in the list, and the delivery tag it was recorded under. A message that
 -- cannot be recorded here (not a standard JSON envelope with a plain string tag, exchange
 -- and routing key) is never held in a batch: it is put back and ends the batch, or, when it
 -- comes first, returned alone with "" as its tag; the worker then hands it to kombu's own
--- path, which records or refuses it as after a BRPOP.
+-- path, which records or refuses it as after a BRPOP. An item over ARGV[4] never reaches
+-- the worker: it moves to KEYS[3] as it is, and ends the batch as the triple (list index,
+-- its head and tail joined, "#" followed by its size).
 local limit, budget, score = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local largest, sample = tonumber(ARGV[4]), tonumber(ARGV[5])
 local out, taken, bytes = {}, 0, 0
 
 -- Whether ``n`` is a JSON number as Python's json module reads it (cjson also takes 0x10,
@@ -114,10 +121,30 @@ local function fields(item)
   return tag, exchange, routing_key
 end
 
-for k = 3, #KEYS do
+-- The item moves with one copy (SET) besides the one redis.call makes to hand it to Lua;
+-- collecting at once gives that one back before the next script rather than at Lua's pace.
+local function set_aside(k, item)
+  local size = #item
+  local head = size > 2 * sample
+    and string.sub(item, 1, sample) .. string.sub(item, -sample) or item
+  redis.call('SET', KEYS[3], item)
+  redis.call('ZADD', KEYS[4], score, KEYS[3])
+  out[#out + 1] = k - 4
+  out[#out + 1] = head
+  out[#out + 1] = '#' .. size
+  return size
+end
+
+for k = 5, #KEYS do
   while taken < limit and bytes < budget do
     local item = redis.call('RPOP', KEYS[k])
     if not item then break end
+    if largest > 0 and #item > largest then
+      set_aside(k, item)
+      item = nil
+      collectgarbage('collect')
+      return out
+    end
     taken, bytes = taken + 1, bytes + #item
     local tag, exchange, routing_key = fields(item)
     if not tag then
@@ -126,12 +153,12 @@ for k = 3, #KEYS do
         redis.call('RPUSH', KEYS[k], item)
         return out
       end
-      return {k - 2, item, ''}
+      return {k - 4, item, ''}
     end
     redis.call('ZADD', KEYS[2], score, tag)
     redis.call('HSET', KEYS[1], tag,
       '[' .. item .. ',' .. cjson.encode(exchange) .. ',' .. cjson.encode(routing_key) .. ']')
-    out[#out + 1] = k - 2
+    out[#out + 1] = k - 4
     out[#out + 1] = item
     out[#out + 1] = tag
   end
