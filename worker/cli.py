@@ -24,10 +24,11 @@ from kombu.exceptions import KombuError
 from redis.exceptions import RedisClusterException
 
 from checkpointq.store.errors import CheckpointError
+from checkpointq.store.keys import KeySpace
 from checkpointq.store.model import Checkpoint, display_id
 from checkpointq.store.serde import checkpoint_from_wire, checkpoint_to_wire, loads_json
-from checkpointq.store.urls import redact_url, redact_urls
-from checkpointq.tasks.dead_letters import DeadLetter, DeadLetters
+from checkpointq.store.urls import is_redis_url, redact_url, redact_urls, redis_py_url
+from checkpointq.tasks.dead_letters import DeadLetter, DeadLetters, Reason
 from checkpointq.tasks.errors import NotFound, NotReplayable
 from checkpointq.tasks.producer.client import CheckpointClient, Handle
 from checkpointq.tasks.producer.outcomes import SUPERSEDED, RequestOutcome
@@ -812,9 +813,12 @@ def _letter_lines(letter: DeadLetter) -> Iterator[str]:
         yield f"kwargs     {_compact(letter.kwargs)}"
     if letter.headers:
         yield f"headers    {_compact(letter.headers)[:500]}"
+    kept = letter.kind == Reason.OVERSIZE and letter.headers.get("raw_key")
     how = (
         f"yes: checkpointq dlq replay {letter.id}"
         if letter.replayable
+        else f"as it arrived, while the broker keeps it: checkpointq dlq replay {letter.id}"
+        if kept
         else "no (its task and arguments could not be decoded, or it was oversize)"
     )
     yield f"replayable {how}"
@@ -878,11 +882,39 @@ def _replay_one(
     letters: DeadLetters, sender: Any, entry_id: str, *, strict: bool
 ) -> dict[str, str]:
     try:
+        if strict and (requeued := _requeue_oversize(letters, entry_id)) is not None:
+            return requeued
         return {"id": entry_id, "task_id": letters.replay(entry_id, sender)}
     except (NotFound, NotReplayable) as exc:
         if strict:
             raise
         return {"id": entry_id, "reason": str(exc)}
+
+
+def _requeue_oversize(letters: DeadLetters, entry_id: str) -> dict[str, str] | None:
+    """Put an oversize item the broker still keeps back in its queue, as it arrived (by id
+    only: a worker with the same limit refuses it again); None: not such an entry."""
+    letter = letters.get(entry_id)
+    if letter is None or letter.kind != Reason.OVERSIZE:
+        return None
+    raw_key, raw_list = letter.headers.get("raw_key"), letter.headers.get("raw_list")
+    if not raw_key or not raw_list:
+        return None
+    settings = _settings()
+    url = settings.broker_url
+    if not url or not is_redis_url(url):
+        raise CliFailure("oversize items are kept on a Redis broker only")
+    from checkpointq.worker import oversize  # the worker's modules: only when needed
+
+    # The item moves inside the broker (a copy of up to 512 MB): more than a CLI's timeout.
+    broker = redis.Redis.from_url(redis_py_url(url), socket_timeout=120)
+    try:
+        if not oversize.requeue(broker, KeySpace(settings.key_prefix), raw_key, raw_list):
+            raise NotReplayable(f"dead letter {entry_id}: its raw item is no longer kept")
+    finally:
+        broker.close()
+    letters.remove(entry_id)
+    return {"id": entry_id, "task_id": letter.task_id or "", "requeued": raw_key}
 
 
 @dlq.command(name="purge")

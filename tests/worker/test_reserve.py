@@ -21,7 +21,8 @@ import redis
 from kombu import connection, entity, messaging
 from kombu.transport import redis as kombu_redis
 
-from checkpointq.worker import reserve
+from checkpointq.store import redis_hooks
+from checkpointq.worker import oversize, reserve
 from checkpointq.worker.hooks import kombu as kombu_hooks
 from tests.support.servers import RedisServer, wait_until
 
@@ -442,3 +443,44 @@ def test_an_item_that_cannot_be_recorded_ends_the_batch_and_comes_alone_next(
     assert run() == [1, bad, b""]
     assert run() == [1, good[2], b"tag-2"]
     assert redis_client.hlen("unacked") == 3
+
+
+def test_an_item_over_the_limit_is_set_aside_whole_and_only_its_sample_comes_back(
+    redis_client: redis.Redis,
+) -> None:
+    # Given a good envelope, one of 3 MB (body first, headers last, as kombu writes it),
+    # and another good one
+    good = [json.dumps({**_envelope(), "n": n}).encode() for n in range(2)]
+    for n, item in enumerate(good):
+        good[n] = item.replace(b'"6f1c-tag"', f'"tag-{n}"'.encode())
+    giant = json.dumps({**_envelope(), "body": "A" * 3_000_000}).encode()
+    redis_client.rpush("q", *reversed([good[0], giant, good[1]]))
+    script = redis_client.register_script(reserve.source())
+    # When the script runs with a 1 MB limit and 500 bytes of head and of tail
+    keys = ["unacked", "unacked_index", "aside-1", "aside_index", "q"]
+    reply = script(keys=keys, args=[10, 1 << 30, time.time(), 1_000_000, 500])
+    # Then the good one before it is recorded, and the giant ends the batch: only its head
+    # and tail come back, with its size, and it waits whole under the key it was given
+    assert reply == [1, good[0], b"tag-0", 1, giant[:500] + giant[-500:], f"#{len(giant)}".encode()]
+    assert redis_client.get("aside-1") == giant
+    assert redis_client.zrange("aside_index", 0, -1) == [b"aside-1"]
+    assert redis_client.hkeys("unacked") == [b"tag-0"]
+    assert redis_client.lrange("q", 0, -1) == [good[1]]
+    # and the worker reads the task and id from that sample without decoding it
+    assert oversize.named(reply[4]) == ("checkpoint.save", "i-1")
+
+
+@pytest.mark.parametrize(
+    ("start", "parsed"),
+    [
+        (b'*2\r\n$11\r\ncheckpoints\r\n$209715200\r\n{"body', (34, b"checkpoints", 209715200)),
+        (b"*2\r\n$4\r\nq\x06\x163\r\n$5\r\nhello\r\n", (18, b"q\x06\x163", 5)),
+        (b"*2\r\n$11\r\ncheckpoints\r\n$2097", None),  # not all arrived yet
+        (b"*-1\r\n", None),  # BRPOP timed out
+        (b"-ERR wrong type\r\n", None),
+    ],
+)
+def test_the_length_of_a_pops_item_is_read_from_the_start_of_its_reply(
+    start: bytes, parsed: tuple[int, bytes, int] | None
+) -> None:
+    assert redis_hooks._pop_reply_start(start) == parsed

@@ -11,10 +11,11 @@ delivers) and logs one line saying why.
 
 The reader replaces kombu's Redis ``Channel._brpop_read`` (every Redis spelling, Sentinel
 included, goes through it) because that is where an item is decoded, before any Celery hook:
-an item that would not decode is dead-lettered there instead of stopping the worker. It also
-fills the prefetch window in one round trip (``worker/reserve.py``), builds each message
-once, and decodes strict base64 bodies with ``pybase64``. docs/design.md says why this hook
-and no smaller one; docs/performance.md what it saves.
+an item that would not decode is dead-lettered there instead of stopping the worker, and one
+over the size limit is set aside unread (``worker/oversize.py``). It also fills the prefetch
+window in one round trip (``worker/reserve.py``), builds each message once, and decodes
+strict base64 bodies with ``pybase64``. docs/design.md says why this hook and no smaller
+one; docs/performance.md what it saves.
 """
 
 from __future__ import annotations
