@@ -1,7 +1,8 @@
 """Queue items over the size limit: refused before they are read whole, kept on the broker.
 
-Decoding a 200 MB item took the main process from 69 MB to 2 GB (JSON text, then base64),
-and a ``MemoryError`` there lost it. So the reader measures an item before it holds it: the
+Decoding an item costs the main process several times its size (its text, the JSON, the
+base64 body), and a ``MemoryError`` there loses it, popped and never recorded. So the reader
+measures an item before it holds it: the
 reserve script (``worker/lua/reserve.lua``) moves an item over ``Guard.max_item_bytes`` to
 a broker key of its own and returns only its head and tail; after a BRPOP the reader peeks
 at the reply's length on the socket and, for an oversize item, streams it to such a key in
