@@ -46,6 +46,8 @@ CHUNK_BYTES = 1024 * 1024
 #: Oversize items kept whole on the broker; past this many the oldest are deleted (their
 #: dead letters stay, with the sample). Each may be up to 512 MB, Redis' largest value.
 KEPT = 16
+#: How an item was set aside, as its dead letter's reason says.
+STREAMED, BY_SCRIPT = "streamed to the broker", "set aside by the reserve script"
 #: The broker transport options carrying the guard (``worker/app.py``).
 MAX_ITEM_OPTION = "checkpointq_max_item_bytes"
 PREFIX_OPTION = "checkpointq_key_prefix"
@@ -99,9 +101,17 @@ def named(sample: bytes) -> tuple[str | None, str | None]:
 
 
 def record(
-    channel: Any, guard: Guard, queue: str, list_key: bytes, aside: str, sample: bytes, size: int
+    channel: Any,
+    guard: Guard,
+    queue: str,
+    list_key: bytes,
+    aside: str,
+    sample: bytes,
+    size: int,
+    how: str,
 ) -> None:
-    """Dead-letter an item set aside under ``aside``; if the store is down, put it back.
+    """Dead-letter an item set aside under ``aside`` (``how``: by which path, for people);
+    if the store is down, put it back.
 
     Back at the far end of its list it goes (a server-side move, ``requeue``), and the
     worker stops consuming until the store takes writes, as for any refusal it cannot
@@ -112,7 +122,7 @@ def record(
     try:
         refuse(
             Reason.OVERSIZE,
-            f"queue item is {size} bytes; the limit is {limit} (refused unread)",
+            f"queue item is {size} bytes; the limit is {limit} (refused unread, {how})",
             task=task,
             task_id=task_id,
             raw=sample,
@@ -170,5 +180,5 @@ def take_reply(channel: Any, connection: Any, guard: Guard) -> bool:
         client.zadd(guard.keys.oversize_index(), {aside: time()})
     sample = bytes(sample_head + tail)
     queue = list_key.decode(errors="replace").rsplit(channel.sep, 1)[0]
-    record(channel, guard, queue, list_key, aside, sample, size)
+    record(channel, guard, queue, list_key, aside, sample, size, STREAMED)
     return True

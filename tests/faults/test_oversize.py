@@ -112,7 +112,7 @@ def test_a_giant_message_is_set_aside_unread_and_nothing_vanishes(
     deployment.settle(load[:200], timeout=120)
     idle_kib = _status_kib(main, "VmRSS")
     # When a giant message reaches the idle worker (a BRPOP), and another arrives amid a
-    # burst of saves (the reserve script)
+    # burst of saves
     giant_ids = [str(uuid.uuid4()), str(uuid.uuid4())]
     giant = _giant(size_mb * MIB, giant_ids[0])
     size = len(giant)
@@ -132,6 +132,9 @@ def test_a_giant_message_is_set_aside_unread_and_nothing_vanishes(
     assert [(e.kind, e.task, e.task_id) for e in entries] == [
         ("oversize", SAVE, task_id) for task_id in giant_ids
     ]
+    # (the first streamed from its BRPOP's reply; the second by whichever read met it: a
+    # BRPOP or the reserve script, which tests/worker/test_reserve.py pins down)
+    assert "streamed to the broker" in entries[0].reason
     for letter in entries:
         assert letter.raw_bytes == size and len(letter.raw) <= 64 * 1024
         assert "refused unread" in letter.reason
@@ -233,4 +236,56 @@ def test_many_concurrent_messages_at_the_limit_keep_the_main_process_bounded(
             f"{idle_kib / 1024:.0f} MiB (bound {bound_mib:.0f} MiB)"
         ),
         passed=second < bound_mib and second - first < item_mib and worker.running(),
+    )
+
+
+def test_an_oversize_item_waits_in_its_queue_while_the_store_refuses_its_dead_letter(
+    deployment: Deployment,
+) -> None:
+    # Given a worker applying saves, and a store that then refuses writes (out of memory)
+    worker = deployment.worker()
+    broker = deployment.broker_client()
+    load = generate_load(20, 100, random.Random(7))
+    push(broker, [r.envelope() for r in load])
+    deployment.settle(load, timeout=120)
+    store = deployment.store_client()
+    used = int(store.info("memory")["used_memory"])
+    store.config_set("maxmemory-policy", "noeviction")
+    store.config_set("maxmemory", max(MIB, used // 2))
+    # When a 20 MB item arrives
+    giant_id = str(uuid.uuid4())
+    giant = _giant(20 * MIB, giant_id)
+    producer = _patient_client(deployment)
+    producer.lpush(QUEUE, giant)
+    producer.close()
+    # Then it goes back to its queue as it arrived, nothing kept aside, and the worker pauses
+    wait_until(
+        lambda: "could not dead-letter an oversize item" in worker.log(),
+        timeout=120,
+        message="the dead letter to be refused",
+    )
+    index = deployment.keys.oversize_index()
+    wait_until(
+        lambda: broker.lrange(QUEUE, 0, -1) == [giant] and broker.zcard(index) == 0,
+        timeout=60,
+        message="the item back in its queue",
+    )
+    # When the store takes writes again
+    store.config_set("maxmemory", 0)
+    # Then it is dead-lettered, and kept on the broker once
+    letters = deployment.wait_dead_letters(1, timeout=120)
+    (letter,) = letters.list().entries
+    assert letter.task_id == giant_id and letter.raw_bytes == len(giant)
+    assert broker.zcard(index) == 1 and broker.get(letter.headers["raw_key"]) == giant
+    assert broker.llen(QUEUE) == 0 and worker.running()
+    finish(
+        deployment,
+        deployment.settle(load, timeout=60),
+        scenario="oversize-store-down",
+        title="A 20 MB message while the store refuses writes",
+        load="100 saves / 20 sessions, then the giant",
+        faults="store at maxmemory (noeviction) when the giant arrives, then freed",
+        notes="the giant waited in its queue as it arrived while the store refused its "
+        "dead letter; dead-lettered and kept once the store took writes",
+        expect_dead=1,
     )

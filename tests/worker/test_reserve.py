@@ -22,6 +22,11 @@ from kombu import connection, entity, messaging
 from kombu.transport import redis as kombu_redis
 
 from checkpointq.store import redis_hooks
+from checkpointq.store.keys import KeySpace
+from checkpointq.store.memory import InMemoryStore
+from checkpointq.tasks import runtime
+from checkpointq.tasks.dead_letters import DeadLetters
+from checkpointq.tasks.runtime import Runtime
 from checkpointq.worker import oversize, reserve
 from checkpointq.worker.hooks import kombu as kombu_hooks
 from tests.support.servers import RedisServer, wait_until
@@ -484,3 +489,59 @@ def test_the_length_of_a_pops_item_is_read_from_the_start_of_its_reply(
     start: bytes, parsed: tuple[int, bytes, int] | None
 ) -> None:
     assert redis_hooks._pop_reply_start(start) == parsed
+
+
+@pytest.fixture
+def dead_letters(redis_client: redis.Redis) -> Iterator[DeadLetters]:
+    """Dead letters recorded on the private server, as the worker's runtime records them."""
+    letters = DeadLetters(redis_client, KeySpace())
+    runtime.install(Runtime(InMemoryStore(), redis_client, KeySpace(), letters))
+    yield letters
+    runtime.reset()
+
+
+def test_a_batch_meeting_an_oversize_item_delivers_those_before_and_sets_it_aside(
+    guarded: None, broker: redis.Redis, redis_server: RedisServer, dead_letters: DeadLetters
+) -> None:
+    # Given two messages, a 3 MB one, and two more, queued for a consumer whose limit
+    # (oversize.transport_options) a 3 MB item is over
+    _publish(redis_server.url, 2)
+    with Connection(redis_server.url) as conn:
+        Producer(conn.channel()).publish(
+            {"n": "giant", "pad": "x" * 3_000_000},
+            routing_key=QUEUE,
+            declare=[Queue(QUEUE)],
+            headers={"task": "checkpoint.save", "id": "giant-id"},
+        )
+    _publish(redis_server.url, 2)
+    options = {"visibility_timeout": 3600, **oversize.transport_options("", 1024 * 1024)}
+    conn = Connection(redis_server.url, transport_options=options)
+    channel = conn.channel()
+    channel.basic_qos(0, 8, False)
+    received: list[Any] = []
+    channel.basic_consume(QUEUE, no_ack=False, callback=received.append, consumer_tag="t")
+    try:
+        # When it reads twice (a BRPOP for the first, then the script)
+        conn.drain_events(timeout=5)
+        conn.drain_events(timeout=5)
+        # Then the one before the giant is delivered, the giant is not, and the batch ends
+        # there: the two after it stay queued
+        assert [m.decode()["n"] for m in received] == [0, 1]
+        assert broker.llen(QUEUE) == 2
+        # and the giant waits whole on the broker, named by its dead letter
+        (letter,) = dead_letters.list().entries
+        assert (letter.kind, letter.task, letter.task_id) == (
+            "oversize",
+            "checkpoint.save",
+            "giant-id",
+        )
+        assert "set aside by the reserve script" in letter.reason
+        kept = broker.get(letter.headers["raw_key"]) or b""
+        assert len(kept) == letter.raw_bytes > 4_000_000
+        assert json.loads(kept)["headers"]["id"] == "giant-id"
+        assert broker.zrange(KeySpace().oversize_index(), 0, -1) == [
+            letter.headers["raw_key"].encode()
+        ]
+        assert broker.hlen(channel.unacked_key) == 2
+    finally:
+        conn.close()

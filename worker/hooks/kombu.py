@@ -295,7 +295,14 @@ def _refuse_aside(self: Any, sent: reserve.Request, reserved: reserve.Reserved) 
     if guard is None or reserved.size is None:  # the script sets aside only with a guard
         raise RuntimeError("an item was set aside without a guard")
     oversize.record(
-        self, guard, reserved.queue, reserved.key, sent.aside, reserved.item, reserved.size
+        self,
+        guard,
+        reserved.queue,
+        reserved.key,
+        sent.aside,
+        reserved.item,
+        reserved.size,
+        oversize.BY_SCRIPT,
     )
 
 
