@@ -135,7 +135,9 @@ def _reserve_options(settings: Settings) -> dict[str, Any]:
         return {}
     return {
         reserve.MAX_HELD_BYTES_OPTION: settings.prefetch_max_bytes
-    } | oversize.transport_options(settings.key_prefix, settings.max_message_bytes)
+    } | oversize.transport_options(
+        settings.key_prefix, settings.max_message_bytes, settings.oversize_kept
+    )
 
 
 def build_runtime(settings: Settings) -> Runtime:

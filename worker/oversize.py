@@ -9,7 +9,7 @@ at the reply's length on the socket and, for an oversize item, streams it to suc
 ``CHUNK_BYTES`` pieces. Either way the worker then records a dead letter from the sample
 (task name and id read from it as text, the true size, the raw key) and the item waits on
 the broker, as it arrived, until ``checkpointq dlq replay`` puts it back in its queue (for a
-worker with a larger limit) or it is among the oldest past ``KEPT``.
+worker with a larger limit) or it is among the oldest past ``Guard.kept``.
 
 The main process thus holds at most one chunk of an oversize item, and an item within the
 limit is at most ``max_item_bytes``: what a valid body of ``max_message_bytes`` takes in an
@@ -43,13 +43,11 @@ SAMPLE_BYTES = OVERSIZE_SAMPLE_BYTES
 HEADER_ALLOWANCE = 64 * 1024
 #: Bytes of an oversize item read from the socket and written to the broker at a time.
 CHUNK_BYTES = 1024 * 1024
-#: Oversize items kept whole on the broker; past this many the oldest are deleted (their
-#: dead letters stay, with the sample). Each may be up to 512 MB, Redis' largest value.
-KEPT = 16
 #: How an item was set aside, as its dead letter's reason says.
 STREAMED, BY_SCRIPT = "streamed to the broker", "set aside by the reserve script"
 #: The broker transport options carrying the guard (``worker/app.py``).
 MAX_ITEM_OPTION = "checkpointq_max_item_bytes"
+KEPT_OPTION = "checkpointq_oversize_kept"
 PREFIX_OPTION = "checkpointq_key_prefix"
 
 
@@ -71,8 +69,12 @@ class Guard:
         return self.keys.oversize_body(uuid.uuid4().hex)
 
 
-def transport_options(key_prefix: str, max_message_bytes: int) -> dict[str, Any]:
-    return {PREFIX_OPTION: key_prefix, MAX_ITEM_OPTION: max_item_bytes(max_message_bytes)}
+def transport_options(key_prefix: str, max_message_bytes: int, kept: int) -> dict[str, Any]:
+    return {
+        PREFIX_OPTION: key_prefix,
+        MAX_ITEM_OPTION: max_item_bytes(max_message_bytes),
+        KEPT_OPTION: kept,
+    }
 
 
 def guard_of(channel: Any) -> Guard | None:
@@ -81,12 +83,13 @@ def guard_of(channel: Any) -> Guard | None:
     limit = options.get(MAX_ITEM_OPTION)
     if not limit:
         return None
-    return _guard(str(options.get(PREFIX_OPTION) or ""), int(limit))
+    kept = int(options.get(KEPT_OPTION, 0))
+    return _guard(str(options.get(PREFIX_OPTION) or ""), int(limit), kept)
 
 
 @cache
-def _guard(prefix: str, limit: int) -> Guard:
-    return Guard(KeySpace(prefix) if prefix else KeySpace(), limit, KEPT)
+def _guard(prefix: str, limit: int, kept: int) -> Guard:
+    return Guard(KeySpace(prefix) if prefix else KeySpace(), limit, kept)
 
 
 _TASK = re.compile(rb'"task"\s*:\s*"([^"\\]{1,256})"')

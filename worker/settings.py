@@ -76,6 +76,9 @@ class Settings(BaseSettings):
     #: 64 KiB of headers) is refused before the worker reads it whole: set aside on the
     #: broker as it arrived (docs/reliability.md, "Oversize messages").
     max_message_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    #: Oversize queue items kept whole on the broker for ``checkpointq dlq replay``; past
+    #: this many the oldest are deleted (their dead letters keep a 64 KiB sample).
+    oversize_kept: int = Field(default=16, ge=0)
     #: How far a request's ``seq`` (the producer's clock, µs) may be ahead of the worker's
     #: clock; further ahead, it is dead-lettered, since it would make every later request
     #: for its session stale until the clocks meet (tasks/seq.py).

@@ -514,7 +514,7 @@ def test_a_batch_meeting_an_oversize_item_delivers_those_before_and_sets_it_asid
             headers={"task": "checkpoint.save", "id": "giant-id"},
         )
     _publish(redis_server.url, 2)
-    options = {"visibility_timeout": 3600, **oversize.transport_options("", 1024 * 1024)}
+    options = {"visibility_timeout": 3600, **oversize.transport_options("", 1024 * 1024, 16)}
     conn = Connection(redis_server.url, transport_options=options)
     channel = conn.channel()
     channel.basic_qos(0, 8, False)
