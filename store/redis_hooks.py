@@ -154,7 +154,10 @@ def peek_pop_reply(connection: Any) -> tuple[int, bytes, int] | None:
         except OSError:
             return None  # the parser will meet the same error and report it
         parsed = _pop_reply_start(start)
-        if parsed is not None or len(start) >= _PEEK_BYTES or not start.startswith(b"*2"):
+        # Done once it parses, or once it cannot: too long, or not an item's reply (a null
+        # or an error). A bare "*" may yet become "*2": wait for more of it.
+        item_reply = start.startswith(b"*2") or b"*2".startswith(start)
+        if parsed is not None or len(start) >= _PEEK_BYTES or not item_reply:
             return parsed
         if monotonic() > deadline:
             return None

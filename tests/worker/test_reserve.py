@@ -9,6 +9,7 @@ that kombu's own restore brings the messages back after a crash.
 from __future__ import annotations
 
 import json
+import select
 import signal
 import subprocess
 import sys
@@ -545,3 +546,23 @@ def test_a_batch_meeting_an_oversize_item_delivers_those_before_and_sets_it_asid
         assert broker.hlen(channel.unacked_key) == 2
     finally:
         conn.close()
+
+
+def test_peeking_at_a_pops_reply_reads_the_items_length_and_leaves_the_reply_unread(
+    redis_client: redis.Redis,
+) -> None:
+    # Given a BRPOP whose reply, carrying a 2 MB item, waits on a connection's socket
+    item = b"x" * 2_000_000
+    redis_client.lpush("q", item)
+    conn: Any = redis_client.connection_pool.get_connection()
+    try:
+        conn.send_command("BRPOP", "q", 1)
+        # (polled as kombu polls it: redis-py 5's can_read would read it into hiredis)
+        assert select.select([conn._sock], [], [], 5)[0]
+        # When the reader peeks at it
+        peeked = redis_hooks.peek_pop_reply(conn)
+        # Then it learns the key and the item's length, and the reply is still whole
+        assert peeked == (len(b"*2\r\n$1\r\nq\r\n$2000000\r\n"), b"q", len(item))
+        assert conn.read_response() == [b"q", item]
+    finally:
+        redis_client.connection_pool.release(conn)
