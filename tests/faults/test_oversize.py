@@ -164,6 +164,17 @@ def test_a_giant_message_is_set_aside_unread_and_nothing_vanishes(
     assert broker.exists(first.headers["raw_key"]) == 0
     (again,) = (e for e in letters.list().entries if e.task_id == giant_ids[0])
     assert broker.strlen(again.headers["raw_key"]) == size
+    # and `checkpointq dlq show` tells the operator so
+    shown = subprocess.run(
+        [sys.executable, "-m", "checkpointq.worker.cli", "dlq", "show", again.id],
+        env=deployment.env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert again.headers["raw_key"] in shown
+    assert f"while the broker keeps it: checkpointq dlq replay {again.id}" in shown
     # and the worker lives on, its main process grown by a bounded amount
     assert worker.running() and worker.pid == main
     grown_mib = (_status_kib(main, "VmHWM") - idle_kib) / 1024
