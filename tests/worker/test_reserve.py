@@ -566,3 +566,20 @@ def test_peeking_at_a_pops_reply_reads_the_items_length_and_leaves_the_reply_unr
         assert conn.read_response() == [b"q", item]
     finally:
         redis_client.connection_pool.release(conn)
+
+
+def test_past_the_items_kept_the_oldest_oversize_items_are_deleted(
+    redis_client: redis.Redis,
+) -> None:
+    # Given three items set aside, oldest first, and a guard keeping two
+    keys = KeySpace()
+    guard = oversize.Guard(keys, max_item_bytes=1024, kept=2)
+    aside = [keys.oversize_body(f"t{n}") for n in range(3)]
+    for n, key in enumerate(aside):
+        redis_client.set(key, b"x" * 2048)
+        redis_client.zadd(keys.oversize_index(), {key: 1000.0 + n})
+    # When the worker trims them
+    oversize.forget_oldest(redis_client, guard)
+    # Then the two newest are kept, indexed, and the oldest is gone
+    assert redis_client.zrange(keys.oversize_index(), 0, -1) == [k.encode() for k in aside[1:]]
+    assert [redis_client.exists(key) for key in aside] == [0, 1, 1]
