@@ -272,6 +272,26 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no 
                 _exit_soon(exc)
                 raise
 
+    def on_connection_error_after_connected(self, exc: Exception) -> None:
+        """Celery's clean-up of a lost connection, which must never end the worker.
+
+        Closing the lost connection restores what its channel held, and kombu can fail
+        there with more than a connection error (with the broker down, kombu 5.7's
+        restore reaches a transport that ``collect()`` already detached: AttributeError
+        on ``conninfo.hostname``), which Celery's ``ignore_errors`` lets through and
+        which ended the worker on a broker restart. The connection is discarded either
+        way; what it held stays in the broker's ``unacked`` hash for redelivery.
+        """
+        try:
+            super().on_connection_error_after_connected(exc)
+        except Exception as cleanup:
+            self.connection = None
+            logger.warning(
+                "closing the lost broker connection failed (%s: %s); reconnecting anyway",
+                type(cleanup).__name__,
+                cleanup,
+            )
+
     def update_strategies(self) -> None:
         """Celery's task table without Celery's builtins (``celery.map``, ``celery.group``,
         ``celery.chord_unlock``, ``celery.backend_cleanup``...): every app registers them,
