@@ -74,7 +74,10 @@ def round_trip(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
     )
 
     def send() -> list[Any]:
-        conn.send_packed_command(conn.pack_commands(commands))
+        # One buffer, one send: redis-py sends a large argument as a chunk of its own, and
+        # each send can wake the server for a partial read.
+        packed = conn.pack_commands(commands)
+        conn.send_packed_command([b"".join(packed)] if len(packed) > 1 else packed)
         replies: list[Any] = []
         for _ in commands:
             try:

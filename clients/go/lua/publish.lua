@@ -7,8 +7,8 @@
 -- KEYS[3]      the pending epoch: a token that changes only when the broker lost its data
 -- KEYS[4..]    one pending record key per request in the message (<prefix>.cq:pending:<id>)
 -- ARGV[1]      the message, as LPUSH stores it; or "" when the caller LPUSHes it itself in
---              the same MULTI/EXEC, just before this script (the Python client does: the
---              message then never passes through Lua, which copies every argument)
+--              the same MULTI/EXEC, just before this script (the message then never passes
+--              through Lua, which copies every argument: worth it for large messages only)
 -- ARGV[2]      the records' lifetime, ms
 -- ARGV[3]      a fresh random token, the epoch if the broker has none yet
 -- ARGV[4..]    five per record, in KEYS order: session id, seq, op ("save" | "delete"),
