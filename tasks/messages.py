@@ -20,9 +20,11 @@ Nothing here imports Celery, so the producer side and the worker's main process 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
+from pybase64 import b64decode
 
 from checkpointq.store.base import SaveResult
 
@@ -42,6 +44,9 @@ EMBED = b'{"callbacks":null,"errbacks":null,"chain":null,"chord":null}'
 
 #: The JSON content type, the only one the worker accepts.
 JSON = "application/json"
+
+#: The ``compression`` header of a zstd-compressed body (kombu's name for zstd).
+ZSTD = "application/zstd"
 
 #: The request field under which the worker's consumer hands a task its message body as
 #: received (bytes), so that a dead letter keeps it exactly: the consumer sets it among the
@@ -67,7 +72,46 @@ def seq_kwargs(seq: int) -> bytes:
 
 def save_body(document: bytes, seq: int) -> bytes:
     """The body of ``checkpoint.save(<document>, seq=seq)``; ``document`` is checkpoint JSON."""
-    return body(b"[" + document + b"]", seq_kwargs(seq))
+    prefix, suffix = save_body_framing(seq)
+    return b"".join((prefix, document, suffix))
+
+
+def save_body_framing(seq: int) -> tuple[bytes, bytes]:
+    """What ``save_body`` puts before and after the checkpoint JSON."""
+    return b"[[", b"]," + seq_kwargs(seq) + b"," + EMBED + b"]"
+
+
+def envelope_body(envelope: Mapping[str, Any], max_bytes: int = 64 * 1024 * 1024) -> bytes:
+    """The body of a message as kombu's Redis transport stores it: base64, then zstd when
+    its ``compression`` header says so, decoded to at most ``max_bytes``.
+
+    Raises:
+        ValueError: not base64, a compression other than zstd, or a broken or larger frame.
+    """
+    raw = b64decode(envelope["body"])
+    headers = envelope.get("headers")
+    compression = headers.get("compression") if isinstance(headers, Mapping) else None
+    if not compression:
+        return raw
+    if compression != ZSTD:
+        raise ValueError(f"unknown compression {compression!r}")
+    return decompress_zstd(raw, max_bytes)
+
+
+def decompress_zstd(frame: bytes, max_bytes: int) -> bytes:
+    """A zstd-compressed body's JSON, refused beyond ``max_bytes`` before it is inflated.
+
+    Raises:
+        ValueError: a broken frame, or more than ``max_bytes``.
+    """
+    import zstandard  # on first use: the worker's main process imports this module
+
+    try:
+        if zstandard.frame_content_size(frame) > max_bytes:  # -1: not declared
+            raise ValueError(f"zstd body declares more than {max_bytes} bytes")
+        return zstandard.ZstdDecompressor().decompress(frame, max_output_size=max_bytes)
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"broken zstd body: {exc}") from None
 
 
 def save_item(document: bytes, seq: int) -> bytes:

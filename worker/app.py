@@ -24,7 +24,16 @@ from checkpointq.tasks.policy import RetryPolicy
 from checkpointq.tasks.producer.client import PUBLISH_RETRY_POLICY
 from checkpointq.tasks.producer.pending import Settler
 from checkpointq.tasks.runtime import Runtime
-from checkpointq.worker import backpressure, beat, coalesce, logs, oversize, remote_control, reserve
+from checkpointq.worker import (
+    backpressure,
+    beat,
+    coalesce,
+    logs,
+    oversize,
+    remote_control,
+    reserve,
+    zstd_bodies,
+)
 from checkpointq.worker import signals as _signals  # noqa: F401  # importing it connects the hooks
 from checkpointq.worker.ops import health, metrics
 from checkpointq.worker.settings import Settings
@@ -190,6 +199,7 @@ def create_app(settings: Settings | None = None) -> Celery:
     app.config_from_object(celery_config(settings))
     app.conf.update(beat.beat_config(settings))
     checkpoints.register(app)
+    zstd_bodies.install(settings.max_message_bytes)
     if settings.coalescing:
         coalesce.install(
             app,

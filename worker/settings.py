@@ -79,6 +79,11 @@ class Settings(BaseSettings):
     #: Oversize queue items kept whole on the broker for ``checkpointq dlq replay``; past
     #: this many the oldest are deleted (their dead letters keep a 64 KiB sample).
     oversize_kept: int = Field(default=16, ge=0)
+    #: Whether our Python producers send a save's body zstd-compressed, under kombu's
+    #: standard ``compression`` header (default True; docs/protocol.md). Every Celery
+    #: consumer decodes it whose kombu has a zstd codec (kombu 5.5/5.6 with zstandard, 5.7
+    #: with backports.zstd or Python 3.14; the worker extra brings it). False: plain JSON.
+    compress_messages: bool = True
     #: How far a request's ``seq`` (the producer's clock, µs) may be ahead of the worker's
     #: clock; further ahead, it is dead-lettered, since it would make every later request
     #: for its session stale until the clocks meet (tasks/seq.py).

@@ -43,7 +43,7 @@ from checkpointq.tasks.errors import BrokerUnavailable, RequestRefused
 
 # The task names are the contract (docs/protocol.md); the client does not import the tasks.
 from checkpointq.tasks.messages import DELETE, EXPIRE_STALE, REFRESH, SAVE
-from checkpointq.tasks.producer import fast_publish
+from checkpointq.tasks.producer import compressed_body, fast_publish
 from checkpointq.tasks.producer.clock import SeqClock, seq_clock
 from checkpointq.tasks.producer.outcomes import RequestOutcome, decide
 
@@ -68,6 +68,7 @@ class ClientSettings(Protocol):
     key_prefix: str
     queue: str
     max_message_bytes: int
+    compress_messages: bool
     sentinel_master: str | None
     sentinel_password: str | None
 
@@ -134,6 +135,7 @@ class CheckpointClient:
         transport_options: dict[str, Any] | None = None,
         clock: SeqClock | None = None,
         key_prefix: str | None = None,
+        compress_messages: bool = True,
     ) -> None:
         """Publish to ``broker_url``'s ``queue``; read (and wait on) ``store``.
 
@@ -146,12 +148,17 @@ class CheckpointClient:
 
         ``key_prefix`` names the pending records on the broker: the store's prefix by default
         (``store.keys``), as every producer and worker of the deployment must agree.
+
+        ``compress_messages``: on a Redis broker, send each save's body as the zstd frame
+        of its JSON under kombu's ``compression`` header (``compressed_body``: made from the
+        record's value, it costs no second compression); False sends the JSON itself.
         """
         self._transport_options = dict(transport_options or {})
         self.clock = clock or seq_clock
         self.store = store
         self.queue = queue
         self.max_message_bytes = max_message_bytes
+        self.compress_messages = compress_messages
         self._display_url = redact_url(broker_url)
         self._broker_url = broker_url
         # Redis brokers: our own protocol 2 messages over a pooled connection.
@@ -225,6 +232,7 @@ class CheckpointClient:
             store,
             queue=settings.queue,
             max_message_bytes=settings.max_message_bytes,
+            compress_messages=settings.compress_messages,
             key_prefix=settings.key_prefix,
             transport_options=brokers.transport_options(
                 settings.broker_url,
@@ -258,10 +266,21 @@ class CheckpointClient:
         seq = self.clock.next(cp.session_id, after)
         argsrepr = f"[<checkpoint {cp.session_id!r} v{cp.version}, {len(document)} bytes>]"
         kwargsrepr = f"{{'seq': {seq}}}"
-        body = messages.save_body(document, seq)
         task_id = str(uuid.uuid4())
         record = RecordWrite(cp.session_id, seq, SAVE_OP, task_id, stored.value)
-        self.send_encoded(SAVE, body, argsrepr, kwargsrepr, task_id=task_id, records=[record])
+        if (publisher := self._publisher) is not None:
+            # The record's value is the zstd frame of ``document`` unless the store trimmed it.
+            prefix, suffix = messages.save_body_framing(seq)
+            zstd_body = (
+                compressed_body.enclose(stored.value, prefix, suffix)
+                if self.compress_messages and not stored.trimmed
+                else None
+            )
+            body = b"".join((prefix, document, suffix))
+            publisher.publish(SAVE, body, argsrepr, kwargsrepr, task_id, [record], zstd_body)
+        else:
+            body = messages.save_body(document, seq)
+            self.send_encoded(SAVE, body, argsrepr, kwargsrepr, task_id=task_id)
         return Handle(task_id, SAVE, cp.session_id, seq)
 
     def prepare_save(

@@ -14,7 +14,6 @@ even against a broker that never answers. docs/design.md has the envelope in det
 
 from __future__ import annotations
 
-import base64
 import os
 import socket
 import time
@@ -24,13 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 import redis
+from pybase64 import b64encode  # SIMD: the standard library's bytes, ~25x faster at 20 KB
 from redis import exceptions as redis_errors
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from checkpointq.store.urls import is_redis_url, redact_url, redis_py_url
 from checkpointq.tasks.errors import BrokerUnavailable
-from checkpointq.tasks.producer import publish_hooks
+from checkpointq.tasks.producer import compressed_body, publish_hooks
 
 if TYPE_CHECKING:
     from checkpointq.tasks.producer.pending import PendingRecords, RecordWrite
@@ -54,13 +54,19 @@ class _Template:
 
     __slots__ = ("parts",)
 
-    def __init__(self, task: str, queue: str, origin: str, reply_to: str) -> None:
+    def __init__(
+        self, task: str, queue: str, origin: str, reply_to: str, compression: str | None
+    ) -> None:
         # Keys in the order send_task's message has them; JSON order does not matter to the
         # worker, but identical messages are easier to compare in tests and by eye.
+        compressed = b'"compression":' + orjson.dumps(compression) + b"," if compression else b""
         head = (
             b'{"body":"',
-            b'","content-encoding":"utf-8","content-type":"application/json","headers":'
-            b'{"lang":"py","task":' + orjson.dumps(task) + b',"id":"',
+            b'","content-encoding":"utf-8","content-type":"application/json","headers":{'
+            + compressed
+            + b'"lang":"py","task":'
+            + orjson.dumps(task)
+            + b',"id":"',
             b'","shadow":null,"eta":null,"expires":null,"group":null,"group_index":null,'
             b'"retries":0,"timelimit":[null,null],"root_id":"',
             b'","parent_id":null,"argsrepr":',
@@ -123,7 +129,7 @@ class RedisPublisher:
         #: Written with each push that carries records (``attach``); None: plain LPUSH.
         self.pending: PendingRecords | None = None
         self._reply_to = str(uuid.uuid4())
-        self._templates: dict[str, _Template] = {}
+        self._templates: dict[tuple[str, str | None], _Template] = {}
         self._pid = os.getpid()
 
     @property
@@ -138,23 +144,33 @@ class RedisPublisher:
     def __repr__(self) -> str:
         return f"RedisPublisher({self._display_url}, queue={self.queue!r})"
 
-    def _template(self, task: str) -> _Template:
-        template = self._templates.get(task)
+    def _template(self, task: str, compression: str | None) -> _Template:
+        template = self._templates.get((task, compression))
         if template is None or self._pid != os.getpid():
             # ``origin`` names the producing process, as Celery's does: rebuild after a fork.
             if self._pid != os.getpid():
                 self._templates, self._pid = {}, os.getpid()
             origin = f"gen{self._pid}@{socket.gethostname()}"
-            template = _Template(task, self.queue, origin, self._reply_to)
-            self._templates[task] = template
+            template = _Template(task, self.queue, origin, self._reply_to, compression)
+            self._templates[task, compression] = template
         return template
 
     def envelope(
-        self, task: str, body_json: bytes, argsrepr: str, kwargsrepr: str, task_id: str
+        self,
+        task: str,
+        body: bytes,
+        argsrepr: str,
+        kwargsrepr: str,
+        task_id: str,
+        compression: str | None = None,
     ) -> bytes:
-        """The message as the transport stores it (what ``LPUSH <queue>`` receives)."""
-        return self._template(task).render(
-            base64.b64encode(body_json),
+        """The message as the transport stores it (what ``LPUSH <queue>`` receives).
+
+        ``compression``: the content type kombu's ``compression`` header gives ``body`` (its
+        JSON compressed), or None for the JSON itself.
+        """
+        return self._template(task, compression).render(
+            b64encode(body),
             task_id.encode(),
             orjson.dumps(argsrepr),
             orjson.dumps(kwargsrepr),
@@ -169,11 +185,15 @@ class RedisPublisher:
         kwargsrepr: str = "{}",
         task_id: str | None = None,
         records: Sequence[RecordWrite] = (),
+        zstd_body: bytes | None = None,
     ) -> str:
         """Push one ``task`` message whose body is ``body_json``; return its task id.
 
         ``records``: the pending records of the requests it carries, written by the same
         script call as the push (``pending``) when this publisher has them.
+
+        ``zstd_body``: ``body_json`` as one zstd frame (``compressed_body``), sent in its
+        place under kombu's ``compression`` header.
 
         A publish that fails on a connection error or timeout is retried per the policy; a
         retried push may land twice, which fenced requests make harmless (Celery's retrying
@@ -183,7 +203,12 @@ class RedisPublisher:
             BrokerUnavailable: the broker stayed unreachable through the retries.
         """
         task_id = task_id or str(uuid.uuid4())
-        message = self.envelope(task, body_json, argsrepr, kwargsrepr, task_id)
+        if zstd_body is None:
+            message = self.envelope(task, body_json, argsrepr, kwargsrepr, task_id)
+        else:
+            message = self.envelope(
+                task, zstd_body, argsrepr, kwargsrepr, task_id, compressed_body.CONTENT_TYPE
+            )
         # Celery's publish signals (tracing headers), when a receiver is connected.
         hooks = publish_hooks.connected()
         if hooks is not None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 from typing import Any
 
@@ -10,6 +9,7 @@ import redis
 
 from checkpointq.store.keys import KeySpace
 from checkpointq.tasks.dead_letters import DeadLetters, Reason
+from checkpointq.tasks.messages import envelope_body
 from tests.cli.conftest import Cli
 
 
@@ -18,7 +18,7 @@ def _queued(client: redis.Redis) -> list[dict[str, Any]]:
     messages = []
     for raw in reversed(client.lrange("checkpoints", 0, -1)):
         envelope = json.loads(raw)
-        body = json.loads(base64.b64decode(envelope["body"]))
+        body = json.loads(envelope_body(envelope))
         messages.append({"task": envelope["headers"]["task"], "args": body[0], "kwargs": body[1]})
     return messages
 

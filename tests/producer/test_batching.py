@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import threading
 from collections.abc import Iterator
@@ -13,7 +12,7 @@ import redis
 
 from checkpointq.store import InMemoryStore
 from checkpointq.tasks.errors import BrokerUnavailable
-from checkpointq.tasks.messages import APPLY_BATCH, DELETE, SAVE
+from checkpointq.tasks.messages import APPLY_BATCH, DELETE, SAVE, envelope_body
 from checkpointq.tasks.producer.batching import BatchingClient
 from checkpointq.tasks.producer.client import CheckpointClient
 from tests.support.checkpoints import make_checkpoint
@@ -29,7 +28,7 @@ def _batches(client: redis.Redis) -> list[tuple[dict[str, Any], list[dict[str, A
     out = []
     for raw in reversed(client.lrange(QUEUE, 0, -1)):
         message = json.loads(raw)
-        args, _kwargs, _embed = json.loads(base64.b64decode(message["body"]))
+        args, _kwargs, _embed = json.loads(envelope_body(message))
         out.append(
             (message["headers"], args[0] if message["headers"]["task"] == APPLY_BATCH else args)
         )

@@ -9,13 +9,15 @@ from typing import Any
 
 import pytest
 import redis
+from kombu.message import Message
 
 from checkpointq.store import InMemoryStore
+from checkpointq.store.base import StoreOptions
 from checkpointq.store.serde import checkpoint_to_wire
 from checkpointq.store.urls import redis_py_url
 from checkpointq.tasks import brokers
 from checkpointq.tasks.errors import BrokerUnavailable
-from checkpointq.tasks.messages import SAVE
+from checkpointq.tasks.messages import SAVE, envelope_body
 from checkpointq.tasks.producer import fast_publish
 from checkpointq.tasks.producer.client import PUBLISH_RETRY_POLICY, CheckpointClient
 from tests.support.checkpoints import make_checkpoint
@@ -30,19 +32,45 @@ def _messages(client: redis.Redis) -> list[dict[str, Any]]:
 
 
 def _body(message: dict[str, Any]) -> Any:
-    return json.loads(base64.b64decode(message["body"]))
+    return json.loads(envelope_body(message))
+
+
+def _kombu_body(message: dict[str, Any]) -> Any:
+    """The body as a stock consumer reads it: kombu's Message decompresses it."""
+    decoded = Message(  # type: ignore[no-untyped-call]
+        body=base64.b64decode(message["body"]),
+        headers=message["headers"],
+        content_type=message["content-type"],
+        content_encoding=message["content-encoding"],
+    )
+    assert not decoded.errors
+    return json.loads(decoded.body)
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("compressed", [True, False], ids=["zstd", "plain"])
 def test_fast_message_has_the_shape_of_a_send_task_message(
-    redis_server: RedisServer, redis_client: redis.Redis
+    redis_server: RedisServer, redis_client: redis.Redis, compressed: bool
 ) -> None:
-    # Given one save published by our fast path and the same save by Celery's send_task
+    # Given one save published by our fast path and the same save by Celery's send_task,
+    # both with zstd compression or both without
     checkpoint = make_checkpoint("shape", version=4)
-    with CheckpointClient(redis_server.url, InMemoryStore(), queue=QUEUE) as client:
+    with CheckpointClient(
+        redis_server.url, InMemoryStore(), queue=QUEUE, compress_messages=compressed
+    ) as client:
         handle = client.save(checkpoint)
-        stock_id = client._send_task(
-            SAVE, [checkpoint_to_wire(checkpoint)], {"seq": handle.seq}, "[...]", "{...}"
+        stock_id = (
+            client._celery_app()
+            .send_task(
+                SAVE,
+                args=[checkpoint_to_wire(checkpoint)],
+                kwargs={"seq": handle.seq},
+                queue=QUEUE,
+                argsrepr="[...]",
+                kwargsrepr="{...}",
+                compression="zstd" if compressed else None,
+            )
+            .id
         )
     fast, stock = _messages(redis_client)
     # Then the envelopes have the same fields, with the same values where they do not vary
@@ -57,12 +85,28 @@ def test_fast_message_has_the_shape_of_a_send_task_message(
         assert fast["properties"][name] == stock["properties"][name], name
     for name in ("content-type", "content-encoding"):
         assert fast[name] == stock[name]
-    # And the ids and bodies say the same request
+    assert ("compression" in fast["headers"]) is compressed
+    # And the ids and bodies say the same request, as kombu's own codec decodes them
     assert fast["headers"]["id"] == fast["headers"]["root_id"] == handle.task_id
     assert fast["properties"]["correlation_id"] == handle.task_id
     assert stock["headers"]["id"] == stock_id
     assert fast["properties"]["delivery_tag"] != stock["properties"]["delivery_tag"]
-    assert _body(fast) == _body(stock)
+    assert _body(fast) == _body(stock) == _kombu_body(fast)
+
+
+@pytest.mark.integration
+def test_a_trimmed_save_goes_uncompressed_with_its_whole_history(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    # Given a store that keeps 5 messages, and a save of 8: its record holds the trimmed
+    # value, so no frame of the message's JSON exists to reuse
+    store = InMemoryStore(StoreOptions(history_cap=5))
+    with CheckpointClient(redis_server.url, store, queue=QUEUE) as client:
+        client.save(make_checkpoint("trimmed", version=2, messages=8))
+    # Then the message is plain JSON carrying all 8, for the worker to trim as it does
+    (message,) = _messages(redis_client)
+    assert "compression" not in message["headers"]
+    assert len(_body(message)[0][0]["conversationHistory"]) == 8
 
 
 @pytest.mark.integration

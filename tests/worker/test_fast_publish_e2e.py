@@ -72,3 +72,26 @@ def test_a_client_built_from_settings_publishes_fast(live: Deployment) -> None:
     finally:
         client.close()
     live.wait_drained()
+
+
+def test_compressed_plain_and_trimmed_saves_are_all_applied(live: Deployment) -> None:
+    # Given a client sending zstd bodies (the default), one sending plain JSON, and a save
+    # over the history cap (its body goes plain: the record holds the trimmed value)
+    cap = live.settings.history_cap
+    with live.checkpoint_client() as zstd, live.checkpoint_client() as plain:
+        plain.compress_messages = False
+        handles = [
+            zstd.save(make_checkpoint("body-zstd", version=2, messages=30)),
+            plain.save(make_checkpoint("body-plain", version=3, messages=30)),
+            zstd.save(make_checkpoint("body-trimmed", version=4, messages=cap + 5)),
+        ]
+        # Then the worker applies each one, and stores what the pending record served
+        for handle, kept in zip(handles, (30, 30, cap), strict=True):
+            served = zstd.load(handle.session_id)
+            zstd.wait_durable(handle, timeout=15)
+            stored = zstd.store.load(handle.session_id)
+            assert stored is not None and stored == served
+            assert len(stored.conversation_history) == kept
+        live.wait_drained()
+    assert live.dead_letters().count() == 0
+    assert "Traceback" not in live.worker.log()

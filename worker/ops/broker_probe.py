@@ -20,7 +20,6 @@ by default), so a health check answers within a Kubernetes probe's few seconds. 
 from __future__ import annotations
 
 import abc
-import base64
 import json
 import threading
 from dataclasses import dataclass
@@ -328,7 +327,7 @@ def seq_of(envelope: bytes | None) -> int | None:
         return None
     try:
         message = json.loads(envelope)
-        body = json.loads(base64.b64decode(message["body"]))
+        body = json.loads(messages.envelope_body(message))
     except (ValueError, KeyError, TypeError):
         return None
     parsed = messages.arguments(body)
