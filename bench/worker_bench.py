@@ -2,7 +2,8 @@
 
 One prefork -c 2 worker at a time (the deployed default) on private broker and store
 redis-servers. The same ``MESSAGES`` queued save messages of a 20 KB checkpoint are built
-once and released (COPY, then RENAME) for each worker in turn (``bench/worker_drain.py``):
+once and released (COPY, then RENAME) for each worker in turn (``bench/worker_drain.py``);
+single saves carry zstd bodies, as our Python producers send them:
 
 * **plain Celery no-op**: stock Celery, our delivery settings, a no-op ``checkpoint.save``
   (``bench/plain_app.py``): the honest baseline every ratio is taken against;
@@ -73,7 +74,7 @@ def run(config: RunConfig) -> SectionReport:
     broker, store = RedisServer().start(), RedisServer().start()
     client, stored = broker.client(), store.client()
     try:
-        singles = worker_drain.stage(client, "bench-singles", messages, SIZE, "s")
+        singles = worker_drain.stage(client, "bench-singles", messages, SIZE, "s", compressed=True)
         batches = worker_drain.stage(
             client, "bench-batches", messages // BATCH, SIZE, "b", per_message=BATCH
         )

@@ -34,9 +34,11 @@ if str(REPO) not in sys.path:
 import redis  # noqa: E402
 
 from bench.workload import make_checkpoint  # noqa: E402
+from checkpointq.store.codec import ValueCodec  # noqa: E402
 from checkpointq.store.keys import KeySpace  # noqa: E402
 from checkpointq.store.serde import serialize_checkpoint  # noqa: E402
 from checkpointq.tasks import messages as contract  # noqa: E402
+from checkpointq.tasks.producer.compressed_body import enclose  # noqa: E402
 from tests.support.celery_processes import CeleryProcess, checkpointq_env  # noqa: E402
 from tests.support.envelopes import protocol2  # noqa: E402
 from tests.support.servers import RedisServer  # noqa: E402
@@ -186,13 +188,16 @@ def stage(
     tag: str,
     per_message: int = 0,
     task: str = contract.SAVE,
+    compressed: bool = False,
 ) -> Staged:
     """Build ``messages`` save messages of ``size``-byte checkpoints into the list ``key``.
 
-    With ``per_message`` > 0 each message is a ``checkpoint.apply_batch`` of that many saves.
+    With ``per_message`` > 0 each message is a ``checkpoint.apply_batch`` of that many saves;
+    else, with ``compressed``, each body is zstd as our Python producers send it.
     Session ids are ``<tag>-<i>`` (``<tag>-<i>-<n>`` in batches); seqs are increasing.
     """
     documents = [serialize_checkpoint(make_checkpoint(f"{tag}-t{n}", size)) for n in range(16)]
+    codec = ValueCodec()
     client.delete(key)
     pipe = client.pipeline(transaction=False)
     total = 0
@@ -204,6 +209,12 @@ def stage(
             ]
             body = contract.body(b"[[" + b",".join(items) + b"]]", b"{}")
             envelope = protocol2(contract.APPLY_BATCH, [], body=body, queue=QUEUE)
+        elif compressed:
+            # As our producers send a save: a zstd body made from the record's frame.
+            document = _renamed(documents[i % 16], f"{tag}-{i}")
+            prefix, suffix = contract.save_body_framing(1_000 + i)
+            zstd_body = enclose(codec.encode(document), prefix, suffix)
+            envelope = protocol2(task, [], body=zstd_body, queue=QUEUE, compression=contract.ZSTD)
         else:
             document = _renamed(documents[i % 16], f"{tag}-{i}")
             envelope = protocol2(

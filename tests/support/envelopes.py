@@ -17,17 +17,22 @@ def protocol2(
     body: bytes | None = None,
     content_type: str = "application/json",
     task_id: str | None = None,
+    compression: str | None = None,
 ) -> str:
-    """The minimal protocol 2 envelope for ``LPUSH <queue>`` (fields the worker needs)."""
+    """The minimal protocol 2 envelope for ``LPUSH <queue>`` (fields the worker needs);
+    ``compression`` is the header naming how ``body`` is compressed, if it is."""
     task_id = task_id or str(uuid.uuid4())
     if body is None:
         body = json.dumps([args, kwargs or {}, {}]).encode()
+    headers = {"task": task, "id": task_id}
+    if compression:
+        headers["compression"] = compression
     return json.dumps(
         {
             "body": base64.b64encode(body).decode(),
             "content-encoding": "utf-8",
             "content-type": content_type,
-            "headers": {"task": task, "id": task_id},
+            "headers": headers,
             "properties": {
                 "body_encoding": "base64",
                 "delivery_tag": str(uuid.uuid4()),
