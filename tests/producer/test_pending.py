@@ -280,3 +280,25 @@ def test_the_epoch_watch_counts_each_loss_once() -> None:
         watch.observe(epoch)
     # a -> lost (1), lost -> b is the new epoch, b -> c (2)
     assert watch.changes == 2
+
+
+def test_a_broker_at_maxmemory_refuses_the_push_whole(
+    two_redis: tuple[CheckpointClient, CheckpointClient], redis_client: redis.Redis
+) -> None:
+    # Given a session with a pending save, and a broker that then refuses writes
+    a, _ = two_redis
+    first = a.save(make_checkpoint("oom", version=1))
+    used = int(redis_client.info("memory")["used_memory"])
+    redis_client.config_set("maxmemory-policy", "noeviction")
+    redis_client.config_set("maxmemory", max(1024 * 1024, used // 2))
+    try:
+        # When the next save of the session is pushed
+        with pytest.raises(BrokerUnavailable, match="maxmemory"):
+            a.save(make_checkpoint("oom", version=2))
+        # Then nothing of it was written: one message queued, the first save's record intact
+        assert redis_client.llen(QUEUE) == 1
+        assert int(redis_client.hget(KEYS.pending("oom"), "seq") or 0) == first.seq
+        checkpoint = a.load("oom")
+        assert checkpoint is not None and checkpoint.version == 1
+    finally:
+        redis_client.config_set("maxmemory", 0)

@@ -15,6 +15,12 @@
 --              request id, value (save: the stored value; delete: "")
 -- Returns the epoch.
 local ttl = tonumber(ARGV[2])
+-- The push is the script's first write: a broker at maxmemory refuses it (OOM) before
+-- anything changed. Redis lets a script that has written go on past maxmemory, so a DEL
+-- first would have let every later write through.
+if ARGV[1] ~= '' then
+  redis.call('LPUSH', KEYS[1], ARGV[1])
+end
 local epoch = redis.call('GET', KEYS[3])
 if not epoch then
   redis.call('SET', KEYS[3], ARGV[3])
@@ -39,8 +45,5 @@ for i = 4, #KEYS do
     redis.call('PEXPIRE', KEYS[i], ttl)
     redis.call('ZADD', KEYS[2], deadline, ARGV[a])
   end
-end
-if ARGV[1] ~= '' then
-  redis.call('LPUSH', KEYS[1], ARGV[1])
 end
 return epoch
