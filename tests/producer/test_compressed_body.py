@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 
 import pytest
@@ -87,3 +88,35 @@ def test_the_value_itself_is_not_changed() -> None:
 def test_a_frame_it_cannot_enclose_whole_gives_none(frame: bytes) -> None:
     # The caller then sends the JSON body uncompressed
     assert enclose(frame, PREFIX, SUFFIX) is None
+
+
+def _envelope(body: bytes, compression: str | None) -> dict[str, object]:
+    headers = {"task": messages.SAVE, **({"compression": compression} if compression else {})}
+    return {"body": base64.b64encode(body).decode(), "headers": headers}
+
+
+def test_envelope_body_reads_compressed_and_plain_bodies_alike() -> None:
+    plain = messages.save_body(b'{"sessionId":"s"}', 9)
+    zstd_body = enclose(ValueCodec().encode(b'{"sessionId":"s"}'), PREFIX, SUFFIX)
+    assert zstd_body is not None
+    assert messages.envelope_body(_envelope(plain, None)) == plain
+    expected = PREFIX + b'{"sessionId":"s"}' + SUFFIX
+    assert messages.envelope_body(_envelope(zstd_body, CONTENT_TYPE)) == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "compression"),
+    [
+        (ValueCodec().encode(b"[" * 100_000), CONTENT_TYPE),  # declares 100 KB
+        (
+            zstandard.ZstdCompressor(write_content_size=False).compress(b"[" * 100_000),
+            "application/zstd",
+        ),
+        (b"not a frame", CONTENT_TYPE),
+        (b"[]", "application/x-bz2"),
+    ],
+    ids=["declared-over", "undeclared-over", "broken", "other-codec"],
+)
+def test_envelope_body_refuses_what_it_cannot_bound_or_read(body: bytes, compression: str) -> None:
+    with pytest.raises(ValueError, match=r"zstd|compression"):
+        messages.envelope_body(_envelope(body, compression), max_bytes=10_000)
