@@ -29,6 +29,7 @@ from checkpointq.worker import (
     beat,
     coalesce,
     logs,
+    lost_settles,
     oversize,
     remote_control,
     reserve,
@@ -215,6 +216,7 @@ def create_app(settings: Settings | None = None) -> Celery:
     health.install(app, settings)
     # While the store refuses writes the worker takes no messages (worker/backpressure.py).
     backpressure.install(app, settings)
+    lost_settles.install(app)
     logs.install(settings.log_format)
     logger.debug("celery app for broker %s", redact_url(settings.broker_url or ""))
     return app

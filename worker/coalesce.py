@@ -38,7 +38,7 @@ from checkpointq.store.keys import KeySpace
 from checkpointq.tasks import messages, runtime
 from checkpointq.tasks.coalesced import Settled, apply_requests
 from checkpointq.tasks.producer import pending as pending_records
-from checkpointq.worker import backpressure
+from checkpointq.worker import backpressure, lost_settles
 from checkpointq.worker.consumer import forget_locally
 from checkpointq.worker.group_events import GroupEvents
 from checkpointq.worker.hooks import kombu as kombu_hooks
@@ -276,6 +276,7 @@ class Coalescer:
         logger.error("could not acknowledge %d applied requests: %s", len(tags), exc)
         for tag in tags:
             forget_locally(channel, tag)
+            lost_settles.lost.lost_settle(tag, requeue=False)
         if refusal is not None:
             backpressure.trip_broker(refusal)
 

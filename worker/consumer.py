@@ -35,7 +35,7 @@ from checkpointq.store.errors import StoreUnavailable
 from checkpointq.tasks import messages, observers, runtime
 from checkpointq.tasks.dead_letters import Reason
 from checkpointq.tasks.refusals import refuse
-from checkpointq.worker import backpressure, timing
+from checkpointq.worker import backpressure, lost_settles, timing
 from checkpointq.worker.hooks import celery as celery_hooks
 from checkpointq.worker.hooks import kombu as kombu_hooks
 
@@ -168,20 +168,23 @@ def _release_slot_when_broker_lost(
             # The QoS holds each message until it is settled or forgotten: a message that
             # no longer exists has nothing left to settle.
             return
+        requeue = options.get("requeue", False)
         try:
             method(settled, **options)
         except errors:
             forget_locally(channel, tag)
+            lost_settles.lost.lost_settle(tag, requeue=requeue)
             raise
         except redis_errors.RedisError as exc:
             refusal = probe.refused(exc)
             if refusal is None:
                 raise
             # The broker answered and refused (out of memory, read-only): the message stays
-            # in its ``unacked`` hash, to be redelivered, and the worker holds still until
-            # the broker accepts writes. Raising would end the consumer (this is no
+            # in its ``unacked`` hash, settled again once the broker takes writes, and the
+            # worker holds still until then. Raising would end the consumer (this is no
             # connection error to Celery).
             forget_locally(channel, tag)
+            lost_settles.lost.lost_settle(tag, requeue=requeue)
             logger.warning("broker refused to settle %s (%s): left for redelivery", tag, refusal)
             backpressure.trip_broker(refusal)
 

@@ -74,6 +74,9 @@ class Request:
     queues: list[str]
     limit: int
     aside: str = ""
+    #: The score its entries get in the ``unacked`` index (the worker's ``time()``, as
+    #: sent): what finds them again should the reply be lost (``worker/lost_settles.py``).
+    score: str = ""
 
     def parse(self, reply: list[Any]) -> list[Reserved]:
         """The script's reply (triples: list index, item, tag, "" or "#size") as messages."""
@@ -162,6 +165,7 @@ def request(
     ]
     encoded = [key.encode() if isinstance(key, str) else key for key in keys]
     aside = guard.fresh_key() if guard is not None else ""
+    score = repr(time())
     command = [
         "EVALSHA",
         sha(),
@@ -173,11 +177,11 @@ def request(
         *keys,
         limit,
         budget,
-        time(),
+        score,
         guard.max_item_bytes if guard is not None else 0,
         oversize.SAMPLE_BYTES // 2,
     ]
-    return Request(encoded, names, limit, aside), command
+    return Request(encoded, names, limit, aside, score), command
 
 
 def load(channel: Any) -> None:

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import redis
+from kombu.transport import redis as kombu_redis
 
 from checkpointq.store.keys import KeySpace
 from checkpointq.tasks.dead_letters import DeadLetters
 from checkpointq.tasks.producer.client import CheckpointClient
+from checkpointq.worker import reserve
+from checkpointq.worker.hooks import kombu as kombu_hooks
 from checkpointq.worker.settings import Settings
 from tests.support.celery_processes import CeleryProcess, checkpointq_env
 from tests.support.servers import RedisServer
@@ -73,3 +77,21 @@ def live(deployment: Deployment) -> Iterator[Deployment]:
     mark = len(deployment.worker.log())
     yield deployment
     print(f"--- worker log during the test ---\n{deployment.worker.log()[mark:]}")
+
+
+@pytest.fixture
+def guarded() -> Iterator[None]:
+    """The worker's reader in kombu's Redis channels for this test, kombu's own after."""
+    channel: Any = kombu_redis.Channel
+    saved = channel._brpop_read, channel.basic_consume
+    kombu_hooks.install()
+    yield
+    channel._brpop_read, channel.basic_consume = saved
+
+
+@pytest.fixture
+def broker(redis_client: redis.Redis) -> redis.Redis:
+    """The private server, emptied, the script loaded, its command counters reset."""
+    redis_client.script_load(reserve.source())
+    redis_client.config_resetstat()
+    return redis_client

@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 import redis
 from kombu import connection, entity, messaging
-from kombu.transport import redis as kombu_redis
 
 from checkpointq.store import redis_hooks
 from checkpointq.store.keys import KeySpace
@@ -29,7 +28,6 @@ from checkpointq.tasks import runtime
 from checkpointq.tasks.dead_letters import DeadLetters
 from checkpointq.tasks.runtime import Runtime
 from checkpointq.worker import oversize, reserve
-from checkpointq.worker.hooks import kombu as kombu_hooks
 from tests.support.servers import RedisServer, wait_until
 
 # kombu's hints are partial (untyped functions): its classes are used as Any here.
@@ -38,24 +36,6 @@ Producer: Any = messaging.Producer
 Queue: Any = entity.Queue
 
 QUEUE = "reserve-test"
-
-
-@pytest.fixture
-def guarded() -> Iterator[None]:
-    """The worker's reader in kombu's Redis channels for this test, kombu's own after."""
-    channel: Any = kombu_redis.Channel
-    saved = channel._brpop_read, channel.basic_consume
-    kombu_hooks.install()
-    yield
-    channel._brpop_read, channel.basic_consume = saved
-
-
-@pytest.fixture
-def broker(redis_client: redis.Redis) -> redis.Redis:
-    """The private server, emptied, the script loaded, its command counters reset."""
-    redis_client.script_load(reserve.source())
-    redis_client.config_resetstat()
-    return redis_client
 
 
 def _publish(url: str, count: int) -> list[dict[str, Any]]:

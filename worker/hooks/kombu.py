@@ -41,7 +41,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from checkpointq.store.errors import StoreUnavailable
 from checkpointq.tasks.dead_letters import Reason
 from checkpointq.tasks.refusals import refuse
-from checkpointq.worker import backpressure, oversize, reserve
+from checkpointq.worker import backpressure, lost_settles, oversize, reserve
 
 logger = logging.getLogger(__name__)
 
@@ -234,9 +234,13 @@ def _brpop_start(self: Any, timeout: Any = None) -> None:
     if not queues:
         return
     budget = reserve.BYTE_BUDGET if byte_room is None else min(reserve.BYTE_BUDGET, byte_room)
-    reading.pending, command = reserve.request(
+    sent, command = reserve.request(
         self, queues, reserve.BATCH_LIMIT if room is None else room, budget, oversize.guard_of(self)
     )
+    reading.pending = sent
+    # Until its reply is read, what it takes is this process's to hand back should the
+    # reply never be (worker/lost_settles.py).
+    lost_settles.lost.reserving(sent.score)
     # As kombu's BRPOP: sent on the polled connection, read by _guarded_brpop_read.
     self._in_poll = self.client.connection
     self._brpop_sent_at = monotonic()
@@ -256,13 +260,15 @@ def _read_reserved(self: Any, sent: reserve.Request, **options: Any) -> bool:
             reply = self.client.parse_response(self.client.connection, "EVALSHA", **options)
         except self.connection_errors:
             # As kombu: disconnect so that the next iteration reconnects. What the script
-            # took is in unacked: the visibility timeout restores it.
+            # took is in unacked, delivered to nobody: handed back once the broker answers.
             self.client.connection.disconnect()
             raise
         except NoScriptError:
+            lost_settles.lost.reserved(sent.score)
             reserve.load(self)  # the broker restarted or was flushed: again next time
             raise Empty() from None
         except ResponseError as exc:  # scripts refused (a replica, disabled): BRPOP it is
+            lost_settles.lost.reserved(sent.score)
             if not reading.warned:
                 logger.warning("broker refused the reserve script (%s): one BRPOP each", exc)
                 reading.warned = True
@@ -271,6 +277,7 @@ def _read_reserved(self: Any, sent: reserve.Request, **options: Any) -> bool:
     finally:
         self._in_poll = None
         _flush_reauth(self)
+    lost_settles.lost.reserved(sent.score)
     batch = sent.parse(reply)
     reading.busy = len(batch) >= sent.limit
     if not batch:
@@ -375,6 +382,20 @@ def held_messages(qos: Any) -> int | None:
     if delivered is None:
         return None
     return max(0, len(delivered) - len(getattr(qos, "_dirty", ())))
+
+
+def held_tags(qos: Any) -> set[str]:
+    """Tags of the messages the QoS delivered and that are not yet settled (none when it
+    keeps no such bookkeeping)."""
+    delivered = getattr(qos, "_delivered", None) or {}
+    dirty = getattr(qos, "_dirty", ())
+    return {str(tag) for tag in delivered if tag not in dirty}
+
+
+def pending_reservation(channel: Any) -> str | None:
+    """The score of the reserve script call whose reply ``channel`` waits for, if any."""
+    reading: reserve.Reading | None = getattr(channel, "__dict__", {}).get("_checkpointq_reading")
+    return reading.pending.score if reading is not None and reading.pending else None
 
 
 def held_body_bytes(qos: Any) -> int:

@@ -1,0 +1,144 @@
+"""Settles and reservations that a dropped broker connection cut short, done again.
+
+An ack, reject or requeue whose connection is cut (or whose write the broker refuses)
+leaves its message in the broker's ``unacked`` hash, and so does a reserve script whose
+reply never arrived (``worker/reserve.py``). kombu's Redis transport restores such entries
+only after the visibility timeout (300 s by default): it cannot tell a lost ack from a
+worker still busy with the message. The worker that lost it can, since it no longer holds
+the message. So this process remembers what it lost: the tag of each settle (the message
+was applied, or given back: the settle is simply done again), and the score of each
+reservation sent and not yet read (a reply lost with its connection, or left unread when
+the consumer restarted: its entries, none of them delivered, go back to the front of their
+queue, as kombu's own restore puts them). A consumer bootstep retries them every
+``RETRY_SECONDS`` on the consumer's timer until the broker takes them.
+
+Doing a settle twice is harmless: the ack's removal and kombu's ``restore_by_tag`` do
+nothing for a tag no longer in ``unacked``, and a message handed back while some other
+worker held it runs twice, which fenced writes make harmless.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Celery, bootsteps
+from redis import exceptions as redis_errors
+
+from checkpointq.worker import reserve
+from checkpointq.worker.hooks import kombu as kombu_hooks
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between two attempts while anything lost is remembered.
+RETRY_SECONDS = 1.0
+#: Tags (or reservations) remembered at most per kind; past it the oldest are left to the
+#: visibility timeout, which recovers them anyway.
+MAX_REMEMBERED = 10_000
+
+
+class LostSettles:
+    """What this process failed to tell the broker, to be told again."""
+
+    def __init__(self) -> None:
+        #: Tags whose ack (or reject without requeue) did not reach the broker.
+        self.acks: dict[str, None] = {}
+        #: Tags whose requeue did not reach the broker.
+        self.requeues: dict[str, None] = {}
+        #: Scores (the worker's ``time()``) of reservations sent whose reply was not read.
+        self.reservations: dict[str, None] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.acks or self.requeues or self.reservations)
+
+    def lost_settle(self, tag: Any, *, requeue: bool) -> None:
+        _remember(self.requeues if requeue else self.acks, str(tag))
+
+    def reserving(self, score: str) -> None:
+        """A reserve script call was sent: lost unless its reply is read (``reserved``)."""
+        _remember(self.reservations, score)
+
+    def reserved(self, score: str) -> None:
+        """Its reply was read: what it took was delivered, or it took nothing."""
+        self.reservations.pop(score, None)
+
+    def retry(self, channel: Any) -> None:
+        """Do again, on ``channel``'s broker, what was lost; keep what fails again."""
+        if not self or not reserve.usable(channel):
+            return
+        try:
+            with channel.conn_or_acquire() as client:
+                self._ack_again(channel, client)
+                self._requeue_again(channel, client)
+                self._hand_back(channel, client)
+        except redis_errors.RedisError as exc:
+            logger.debug("lost settles not done yet (%s): again in %.0fs", exc, RETRY_SECONDS)
+
+    def _ack_again(self, channel: Any, client: Any) -> None:
+        if not self.acks:
+            return
+        tags = list(self.acks)
+        pipe = client.pipeline()
+        for tag in tags:
+            pipe.zrem(channel.unacked_index_key, tag).hdel(channel.unacked_key, tag)
+        pipe.execute()
+        for tag in tags:
+            del self.acks[tag]
+        logger.info("%d lost acks settled again after the broker took writes again", len(tags))
+
+    def _requeue_again(self, channel: Any, client: Any) -> None:
+        for tag in list(self.requeues):
+            channel.qos.restore_by_tag(tag, client, leftmost=True)
+            del self.requeues[tag]
+            logger.info("lost requeue of %s settled again after the broker took writes", tag)
+
+    def _hand_back(self, channel: Any, client: Any) -> None:
+        reading = kombu_hooks.pending_reservation(channel)
+        held = kombu_hooks.held_tags(channel.qos)
+        for score in [s for s in self.reservations if s != reading]:
+            tags = client.zrange(channel.unacked_index_key, score, score, byscore=True)
+            lost = [t.decode() if isinstance(t, bytes) else t for t in tags]
+            lost = [tag for tag in lost if tag not in held]
+            for tag in lost:
+                channel.qos.restore_by_tag(tag, client)
+            del self.reservations[score]
+            if lost:
+                logger.info("%d messages of a lost reservation handed back", len(lost))
+
+
+def _remember(kind: dict[str, None], key: str) -> None:
+    kind[key] = None
+    while len(kind) > MAX_REMEMBERED:
+        del kind[next(iter(kind))]
+
+
+#: This process's record (acks and reservations happen in the worker's main process).
+lost = LostSettles()
+
+
+def install(app: Celery) -> None:
+    """Retry ``lost`` on the consumer's timer, on its task channel."""
+
+    class LostSettlesStep(bootsteps.StartStopStep):  # type: ignore[misc]  # no celery hints
+        """Lost settles retried on the consumer's timer, from when the task consumer exists."""
+
+        requires = ("celery.worker.consumer.tasks:Tasks",)
+
+        def __init__(self, consumer: Any, **kwargs: Any) -> None:
+            self._tref: Any = None
+
+        def start(self, consumer: Any) -> None:
+            def retry() -> None:
+                lost.retry(consumer.task_consumer.channel)
+
+            retry()
+            self._tref = consumer.timer.call_repeatedly(RETRY_SECONDS, retry)
+
+        def stop(self, consumer: Any) -> None:
+            if self._tref is not None:
+                consumer.timer.cancel(self._tref)
+                self._tref = None
+
+        shutdown = stop
+
+    app.steps["consumer"].add(LostSettlesStep)
