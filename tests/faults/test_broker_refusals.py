@@ -9,13 +9,19 @@ OutOfMemoryError"), with its queue left to grow.
 from __future__ import annotations
 
 import random
+import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
+from checkpointq.worker.consumer import EXIT_GRACE, EXIT_STATUS
+from tests.faults import consumer_fault
 from tests.faults.harness import (
+    Celery,
     Deployment,
     RssSampler,
     Scale,
@@ -32,6 +38,8 @@ from tests.support.servers import RedisServer, wait_until
 #: What a worker logs when it stops taking messages, and when it takes them again.
 PAUSED = "refusing writes"
 RESUMED = "writes again after"
+#: Seconds a loaded machine may add to a worker's own deadline to stop.
+STOP_SLACK = 30.0
 
 
 def _out_of_memory(client: redis.Redis) -> Callable[[], object]:
@@ -134,3 +142,146 @@ def test_a_broker_only_at_maxmemory_pauses_the_worker_while_its_store_accepts_wr
         rss=rss,
         converged_s=converged,
     )
+
+
+@pytest.mark.timeout(900)
+def test_sigterm_stops_a_worker_paused_by_a_refusing_broker_and_nothing_is_lost(
+    broker: RedisServer, scale: Scale
+) -> None:
+    # Given broker and store on one Redis, and a worker busy with a load
+    deployment = Deployment(broker, broker)
+    try:
+        load = generate_load(scale.sessions, scale.requests, random.Random(29))
+        worker = deployment.busy_worker(load, 0.1)
+        # ... paused because that Redis refuses every write
+        end_fault = _out_of_memory(broker.client())
+        wait_until(lambda: PAUSED in worker.log(), timeout=30, message="the worker to pause")
+        # When it is told to stop (SIGTERM) while paused and holding messages
+        held = deployment.backlog()
+        assert worker.process is not None
+        stopping = time.monotonic()
+        worker.process.send_signal(signal.SIGTERM)
+        # Then it exits by itself (no SIGKILL) within its shutdown timeout and some slack
+        # for a loaded machine
+        limit = float(str(deployment.all_settings["shutdown_timeout_seconds"])) + STOP_SLACK
+        code = worker.process.wait(timeout=limit)
+        stopped = time.monotonic() - stopping
+        log = worker.log()
+        worker.process = None
+        # ... and once the Redis has room, a new worker applies every request
+        end_fault()
+        deployment.worker()
+        verdict = deployment.settle(load, timeout=300)
+        finish(
+            deployment,
+            verdict,
+            scenario="26s-sigterm-while-paused",
+            title="SIGTERM to a worker paused by its Redis at maxmemory, then a new worker",
+            load=describe(scale),
+            faults=f"one Redis refusing every write; SIGTERM with {held} messages queued or held",
+            notes=f"exit {code} {stopped:.1f} s after SIGTERM (shutdown timeout "
+            f"{deployment.all_settings['shutdown_timeout_seconds']} s); what it held was "
+            "redelivered to the next worker",
+            passed=code == 0 and "Unrecoverable" not in log,
+            converged_s=None,
+        )
+    finally:
+        deployment.cleanup()
+
+
+@pytest.mark.timeout(900)
+def test_an_unexpected_error_in_the_consumer_exits_the_worker_for_its_supervisor(
+    deployment: Deployment, scale: Scale, tmp_path: Path
+) -> None:
+    # Given a worker whose consumer has a bug that fires on the first message it receives
+    deployment.settings["include"] = "tests.faults.consumer_fault"
+    env = {**deployment.env(), consumer_fault.MARKER: str(tmp_path / "fired")}
+    worker = Celery("worker", env)
+    deployment.processes.append(worker)
+    worker.start()
+    load = generate_load(scale.sessions, scale.requests, random.Random(30))
+    # When a load arrives
+    push(deployment.broker_client(), (r.envelope() for r in load))
+    # Then the process does not live on consuming nothing: it exits, with an error status
+    assert worker.process is not None
+    code = worker.process.wait(timeout=EXIT_GRACE + STOP_SLACK)
+    log = worker.log()
+    # ... and the same worker started again (its supervisor's restart) applies every request
+    worker.start()
+    verdict = deployment.settle(load, timeout=300)
+    finish(
+        deployment,
+        verdict,
+        scenario="26u-unexpected-consumer-error",
+        title="an unexpected exception in the worker's consumer, then a supervisor's restart",
+        load=describe(scale),
+        faults="RuntimeError raised in the consumer on the first message received",
+        notes=f"the worker exited with status {code} "
+        f"({'its shutdown' if code != EXIT_STATUS else 'the exit timer'}); "
+        "restarted, it applied every request",
+        passed=code != 0 and "injected: a bug in the consumer" in log,
+    )
+
+
+def _role(client: redis.Redis) -> str:
+    return str(client.info("replication")["role"])
+
+
+def _failover(master: RedisServer, replica: RedisServer) -> None:
+    """Redis's coordinated failover: ``master`` pauses writes until ``replica`` caught up,
+    then turns into its replica (answering ``-READONLY`` to writes) as ``replica`` is
+    promoted."""
+    failover: Any = master.client().execute_command
+    failover("FAILOVER", "TO", "127.0.0.1", replica.port, "TIMEOUT", 10000)
+    wait_until(
+        lambda: _role(master.client()) == "slave" and _role(replica.client()) == "master",
+        timeout=30,
+        message="the failover",
+    )
+    wait_until(
+        lambda: master.client().info("replication").get("master_link_status") == "up",
+        timeout=30,
+        message="the demoted broker to follow the promoted one",
+    )
+
+
+@pytest.mark.timeout(900)
+def test_a_broker_demoted_to_a_read_only_replica_pauses_the_worker_until_it_is_master_again(
+    deployment: Deployment, scale: Scale
+) -> None:
+    # Given a broker with a replica (kept in sync), a store of its own, producers pushing
+    broker, other = deployment.broker, RedisServer().start()
+    try:
+        other.client().replicaof("127.0.0.1", broker.port)
+        wait_until(
+            lambda: other.client().info("replication").get("master_link_status") == "up",
+            timeout=30,
+            message="the replica to sync",
+        )
+
+        def demote() -> Callable[[], object]:
+            # When the replica is promoted away: the broker the workers and producers use
+            # answers every write with -READONLY, until it is made master again
+            _failover(broker, other)
+            return lambda: _failover(other, broker)
+
+        verdict, converged, rss, log, code = _steady_run(deployment, scale, demote, 10.0, seed=31)
+        # Then the worker paused on the refusal, resumed by itself and lost nothing
+        finish(
+            deployment,
+            verdict,
+            scenario="26r-broker-read-only",
+            title="broker demoted to a read-only replica (FAILOVER to its replica) for 10 s, "
+            "then master again",
+            load=describe(scale) + ", steady; producers retry refused pushes",
+            faults="the broker answering -READONLY to every write for 10 s",
+            notes=f"worker paused {log.count('broker refusing writes')}x on the broker's "
+            f"refusal, resumed {log.count(RESUMED)}x, its consumer restarted "
+            f"{log.count('Restarting event loop')}x; never exited; SIGTERM afterwards exit {code}",
+            # (resumed by the gate, or by a consumer restart: a new gate starts open)
+            passed="read-only" in log and code == 0,
+            rss=rss,
+            converged_s=converged,
+        )
+    finally:
+        other.cleanup()
