@@ -33,6 +33,8 @@ _REFUSAL_CODES = {
     "NOREPLICAS": "not enough replicas (min-replicas-to-write)",
     "MISCONF": "cannot persist to disk (stop-writes-on-bgsave-error)",
     "BUSY": "busy running a script",
+    # What a blocked BRPOP gets when its server turns replica (a failover)
+    "UNBLOCKED": "unblocked: it changed role (master -> replica?)",
 }
 
 

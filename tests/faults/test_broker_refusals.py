@@ -285,3 +285,40 @@ def test_a_broker_demoted_to_a_read_only_replica_pauses_the_worker_until_it_is_m
         )
     finally:
         other.cleanup()
+
+
+@pytest.mark.timeout(600)
+def test_an_idle_worker_waiting_on_its_broker_survives_the_broker_turning_replica(
+    deployment: Deployment, scale: Scale
+) -> None:
+    # Given an idle worker, blocked in BRPOP on a broker that has a replica
+    broker, other = deployment.broker, RedisServer().start()
+    try:
+        other.client().replicaof("127.0.0.1", broker.port)
+        wait_until(
+            lambda: other.client().info("replication").get("master_link_status") == "up",
+            timeout=30,
+            message="the replica to sync",
+        )
+        worker = deployment.worker()
+        wait_until(
+            lambda: any(c.get("cmd") == "brpop" for c in broker.client().client_list()),
+            timeout=30,
+            message="the worker to wait in BRPOP",
+        )
+        # When the broker turns replica (Redis answers the blocked BRPOP with -UNBLOCKED)
+        # and is made master again
+        _failover(broker, other)
+        try:
+            wait_until(lambda: PAUSED in worker.log(), timeout=30, message="the worker to pause")
+        except AssertionError:
+            raise AssertionError(worker.log()[-6000:]) from None
+        _failover(other, broker)
+        # Then the worker lives on and takes the next requests
+        load = generate_load(20, 50, random.Random(32))
+        push(deployment.broker_client(), (r.envelope() for r in load))
+        deployment.settle(load, timeout=120)
+        assert worker.running(), worker.log()[-3000:]
+        assert "consumer failed unexpectedly" not in worker.log()
+    finally:
+        other.cleanup()
