@@ -2,19 +2,18 @@
 
 An ack, reject or requeue whose connection is cut (or whose write the broker refuses)
 leaves its message in the broker's ``unacked`` hash, and so does a reserve script whose
-reply never arrived (``worker/reserve.py``). kombu's Redis transport restores such entries
-only after the visibility timeout (300 s by default): it cannot tell a lost ack from a
-worker still busy with the message. The worker that lost it can, since it no longer holds
-the message. So this process remembers what it lost: the tag of each settle (the message
-was applied, or given back: the settle is simply done again), and the score of each
-reservation sent and not yet read (a reply lost with its connection, or left unread when
-the consumer restarted: its entries, none of them delivered, go back to the front of their
-queue, as kombu's own restore puts them). A consumer bootstep retries them every
-``RETRY_SECONDS`` on the consumer's timer until the broker takes them.
+reply is never read (``worker/reserve.py``). kombu restores such entries only after the
+visibility timeout (300 s by default): it cannot tell a lost ack from a worker still busy
+with the message. The worker that lost it can, since it no longer holds the message. So
+this process remembers what it lost: each settle's tag (done again as meant), the tags it
+held when its consumer restarted (kombu restores them as it closes the channel, unless the
+broker refuses that too), and the score of each reservation sent and not read (its entries,
+never delivered, go back to the front of their queue). A consumer bootstep retries them
+every ``RETRY_SECONDS`` on the consumer's timer until the broker takes them.
 
-Doing a settle twice is harmless: the ack's removal and kombu's ``restore_by_tag`` do
-nothing for a tag no longer in ``unacked``, and a message handed back while some other
-worker held it runs twice, which fenced writes make harmless.
+Doing one twice is harmless: the ack's removal and kombu's ``restore_by_tag`` do nothing for
+a tag no longer in ``unacked``, and a message handed back while some process still runs it
+runs twice, which fenced writes make harmless.
 """
 
 from __future__ import annotations
@@ -45,14 +44,22 @@ class LostSettles:
         self.acks: dict[str, None] = {}
         #: Tags whose requeue did not reach the broker.
         self.requeues: dict[str, None] = {}
+        #: Tags held when the consumer restarted, whose restore may not have reached it.
+        self.restores: dict[str, None] = {}
         #: Scores (the worker's ``time()``) of reservations sent whose reply was not read.
         self.reservations: dict[str, None] = {}
 
     def __bool__(self) -> bool:
-        return bool(self.acks or self.requeues or self.reservations)
+        return bool(self.acks or self.requeues or self.restores or self.reservations)
 
     def lost_settle(self, tag: Any, *, requeue: bool) -> None:
         _remember(self.requeues if requeue else self.acks, str(tag))
+
+    def held_at_restart(self, tags: set[str]) -> None:
+        """The consumer restarts holding ``tags``: kombu restores them as it closes the
+        channel, which the broker may refuse (out of memory, read-only)."""
+        for tag in tags:
+            _remember(self.restores, tag)
 
     def reserving(self, score: str) -> None:
         """A reserve script call was sent: lost unless its reply is read (``reserved``)."""
@@ -70,6 +77,7 @@ class LostSettles:
             with channel.conn_or_acquire() as client:
                 self._ack_again(channel, client)
                 self._requeue_again(channel, client)
+                self._restore_again(channel, client)
                 self._hand_back(channel, client)
         except redis_errors.RedisError as exc:
             logger.debug("lost settles not done yet (%s): again in %.0fs", exc, RETRY_SECONDS)
@@ -91,6 +99,15 @@ class LostSettles:
             channel.qos.restore_by_tag(tag, client, leftmost=True)
             del self.requeues[tag]
             logger.info("lost requeue of %s settled again after the broker took writes", tag)
+
+    def _restore_again(self, channel: Any, client: Any) -> None:
+        if not self.restores:
+            return
+        tags = list(self.restores)
+        for tag in tags:
+            channel.qos.restore_by_tag(tag, client)  # nothing left to do if kombu's was done
+            del self.restores[tag]
+        logger.debug("restores of %d messages held at a consumer restart done again", len(tags))
 
     def _hand_back(self, channel: Any, client: Any) -> None:
         reading = kombu_hooks.pending_reservation(channel)
@@ -135,6 +152,9 @@ def install(app: Celery) -> None:
             self._tref = consumer.timer.call_repeatedly(RETRY_SECONDS, retry)
 
         def stop(self, consumer: Any) -> None:
+            task_consumer = getattr(consumer, "task_consumer", None)
+            if task_consumer is not None:
+                lost.held_at_restart(kombu_hooks.held_tags(task_consumer.channel.qos))
             if self._tref is not None:
                 consumer.timer.cancel(self._tref)
                 self._tref = None

@@ -159,3 +159,36 @@ def test_a_reservation_left_unread_when_the_consumer_restarts_is_handed_back(
     finally:
         conn.close()
         dropped.close()
+
+
+def test_messages_held_at_a_consumer_restart_are_restored_once_the_broker_takes_writes(
+    guarded: None,
+    broker: redis.Redis,
+    redis_server: RedisServer,
+    lost: lost_settles.LostSettles,
+) -> None:
+    # Given a consumer holding a message when its consumer restarts, and a broker out of
+    # memory, which refuses kombu's restore as the channel closes
+    _publish(redis_server.url, 1)
+    conn, channel, received = _consume(redis_server.url, prefetch=1)
+    conn.drain_events(timeout=5)
+    lost.held_at_restart({received[0].delivery_tag})
+    broker.config_set("maxmemory-policy", "noeviction")
+    broker.config_set("maxmemory", 1)
+    try:
+        with pytest.raises(redis.ResponseError):
+            channel.close()
+        assert broker.hlen(channel.unacked_key) == 1 and broker.llen(QUEUE) == 0
+        lost.retry(channel)
+        assert lost  # still refused: kept
+    finally:
+        broker.config_set("maxmemory", 0)
+    # When the broker takes writes again, then the next consumer's attempt restores it
+    dropped, conn, channel, _ = conn, *_consume(redis_server.url, prefetch=1)
+    try:
+        lost.retry(channel)
+        assert broker.llen(QUEUE) == 1 and broker.hlen(channel.unacked_key) == 0
+        assert not lost
+    finally:
+        conn.close()
+        dropped.close()
