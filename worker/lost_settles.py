@@ -46,20 +46,24 @@ class LostSettles:
         self.requeues: dict[str, None] = {}
         #: Tags held when the consumer restarted, whose restore may not have reached it.
         self.restores: dict[str, None] = {}
+        #: The QoS of each channel closed by a consumer restart, not looked at yet.
+        self._closed: list[Any] = []
         #: Scores (the worker's ``time()``) of reservations sent whose reply was not read.
         self.reservations: dict[str, None] = {}
 
     def __bool__(self) -> bool:
-        return bool(self.acks or self.requeues or self.restores or self.reservations)
+        return bool(
+            self.acks or self.requeues or self.restores or self.reservations or self._closed
+        )
 
     def lost_settle(self, tag: Any, *, requeue: bool) -> None:
         _remember(self.requeues if requeue else self.acks, str(tag))
 
-    def held_at_restart(self, tags: set[str]) -> None:
-        """The consumer restarts holding ``tags``: kombu restores them as it closes the
-        channel, which the broker may refuse (out of memory, read-only)."""
-        for tag in tags:
-            _remember(self.restores, tag)
+    def restarting(self, qos: Any) -> None:
+        """The consumer restarts: kombu restores what ``qos`` holds as it closes the channel,
+        which the broker may refuse or the connection cut short; what it still holds at the
+        next attempt is restored then."""
+        self._closed.append(qos)
 
     def reserving(self, score: str) -> None:
         """A reserve script call was sent: lost unless its reply is read (``reserved``)."""
@@ -71,6 +75,10 @@ class LostSettles:
 
     def retry(self, channel: Any) -> None:
         """Do again, on ``channel``'s broker, what was lost; keep what fails again."""
+        for qos in self._closed:  # (a restore that went through left nothing held)
+            for tag in kombu_hooks.held_tags(qos):
+                _remember(self.restores, tag)
+        self._closed.clear()
         if not self or not reserve.usable(channel):
             return
         try:
@@ -154,7 +162,7 @@ def install(app: Celery) -> None:
         def stop(self, consumer: Any) -> None:
             task_consumer = getattr(consumer, "task_consumer", None)
             if task_consumer is not None:
-                lost.held_at_restart(kombu_hooks.held_tags(task_consumer.channel.qos))
+                lost.restarting(task_consumer.channel.qos)
             if self._tref is not None:
                 consumer.timer.cancel(self._tref)
                 self._tref = None
