@@ -109,9 +109,16 @@ def test_connections_killed_every_half_second_lose_nothing_and_drain_within_seco
         + ("" if recovery else "; the worker without its lost-settle retries, for comparison"),
         load=describe(scale) + f", {len(steady) / seconds:.0f}/s steady",
         faults=f"CLIENT KILL of {killer.killed} connections in {killer.rounds} rounds",
-        notes=f"drained {drained:.1f} s after the last kill ({stuck} messages left queued or "
-        f"unacknowledged; visibility timeout {VISIBILITY_TIMEOUT} s); lost settles done again "
+        notes=(
+            f"drained {drained:.1f} s after the last kill"
+            if not stuck
+            else f"not drained {drained:.0f} s after the last kill: {stuck} messages still "
+            "waiting in unacked (counted as lost: not applied yet)"
+        )
+        + f" (visibility timeout {VISIBILITY_TIMEOUT} s); lost settles done again "
         f"{resettled}x, lost reservations handed back {restored}x; SIGTERM afterwards exit {code}",
-        passed=code == 0 and killer.killed > 0 and not stuck,
+        # (without the retries the row measures what waits, rather than forbid it)
+        passed=code == 0 and killer.killed > 0 and (not stuck or not recovery),
+        loss_measured=not recovery,
         converged_s=drained,
     )

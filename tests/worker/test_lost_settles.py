@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import redis
 
-from checkpointq.worker import lost_settles
+from checkpointq.worker import lost_settles, reserve
 from checkpointq.worker.consumer import _release_slot_when_broker_lost
 from tests.support.servers import RedisServer, wait_until
 from tests.worker.test_reserve import QUEUE, _consume, _publish
@@ -192,3 +192,34 @@ def test_messages_held_at_a_consumer_restart_are_restored_once_the_broker_takes_
     finally:
         conn.close()
         dropped.close()
+
+
+def test_a_reservation_whose_put_back_was_cut_short_is_handed_back(
+    guarded: None,
+    broker: redis.Redis,
+    redis_server: RedisServer,
+    lost: lost_settles.LostSettles,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given 10 queued messages and a consumer that fails on the third it is handed
+    _publish(redis_server.url, 10)
+
+    def fail_on_third(message: Any) -> None:
+        if message.decode()["n"] == 2:
+            raise RuntimeError("consumer bug")
+
+    conn, channel, _ = _consume(redis_server.url, prefetch=10, on_message=fail_on_third)
+    try:
+        conn.drain_events(timeout=5)
+        # When the put-back of the rest of its batch is cut off with the connection
+        monkeypatch.setattr(reserve, "put_back", _cut)
+        with pytest.raises(redis.ConnectionError):
+            conn.drain_events(timeout=5)
+        monkeypatch.undo()
+        assert broker.hlen(channel.unacked_key) == 10 and broker.llen(QUEUE) == 0
+        # Then the next attempt hands back the 7 it never saw, and keeps the 3 it holds
+        lost.retry(channel)
+        assert broker.llen(QUEUE) == 7 and broker.hlen(channel.unacked_key) == 3
+        assert not lost
+    finally:
+        conn.close()

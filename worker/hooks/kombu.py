@@ -277,11 +277,13 @@ def _read_reserved(self: Any, sent: reserve.Request, **options: Any) -> bool:
     finally:
         self._in_poll = None
         _flush_reauth(self)
-    lost_settles.lost.reserved(sent.score)
     batch = sent.parse(reply)
     reading.busy = len(batch) >= sent.limit
     if not batch:
+        lost_settles.lost.reserved(sent.score)
         raise Empty()
+    # The reservation stays this process's to hand back until every message it took was
+    # delivered or put back: a put-back cut short leaves the rest in unacked.
     for done, reserved in enumerate(batch):
         try:
             if reserved.size is not None:  # the script set it aside unread: its last
@@ -293,7 +295,9 @@ def _read_reserved(self: Any, sent: reserve.Request, **options: Any) -> bool:
             reserve.put_back(self, [r for r in rest if r.size is None])
             for aside in (r for r in rest if r.size is not None):
                 _requeue_aside(self, sent, aside)
+            lost_settles.lost.reserved(sent.score)
             raise
+    lost_settles.lost.reserved(sent.score)
     return True
 
 
