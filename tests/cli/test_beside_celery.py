@@ -1,9 +1,9 @@
 """Acceptance: ``pip install checkpointq`` beside the Celery an API server already runs leaves
 that Celery (and everything else installed) as it was, and the producer's saves are applied.
 
-For each Celery an API server may run (5.4.0 with kombu 5.4.2, 5.5.3 with kombu 5.5.4), a
-fresh venv gets ``celery[redis]`` at that version, then the wheel built from this checkout
-(its base install: no extra). pip must change no installed package; the producer, run in
+For each Celery an API server may run (``USER_CELERY``: 5.3 to 5.7), a fresh venv gets
+``celery[redis]`` at that version, then the wheel built from this checkout (its base
+install: no extra). pip must change no installed package; the producer, run in
 that venv, saves checkpoints through a private Redis broker, and a real worker (this
 checkout's) applies them. pip uses the machine's configured indexes and caches; the test
 skips only when pip cannot reach any index for Celery at all (a machine without network),
@@ -29,8 +29,10 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Seconds for one pip command (a resolve from the index on a loaded machine).
 PIP_TIMEOUT = 300
 
-#: Celery releases an API server may run, with the kombu they install.
-USER_CELERY = [("5.4.0", "5.4.2"), ("5.5.3", "5.5.4")]
+#: Celery releases an API server may run, with the kombu they install: both ends of the
+#: claimed 5.3-5.7, and the two the issue was measured on. (5.6 sits between 5.5 and 5.7,
+#: whose pins of kombu and redis-py bracket its own.)
+USER_CELERY = [("5.3.6", "5.3.7"), ("5.4.0", "5.4.2"), ("5.5.3", "5.5.4"), ("5.7.0", "5.7.0")]
 
 #: Run in the user's venv: save checkpoints, wait until each is applied, print their versions.
 PRODUCER = """
