@@ -36,6 +36,7 @@ from checkpointq.worker import (
     zstd_bodies,
 )
 from checkpointq.worker import signals as _signals  # noqa: F401  # importing it connects the hooks
+from checkpointq.worker.hooks import kombu as kombu_hooks
 from checkpointq.worker.ops import health, metrics
 from checkpointq.worker.settings import Settings
 
@@ -217,6 +218,8 @@ def create_app(settings: Settings | None = None) -> Celery:
     # While the store refuses writes the worker takes no messages (worker/backpressure.py).
     backpressure.install(app, settings)
     lost_settles.install(app)
+    # kombu before 5.7 ignores the restore schedule tasks/brokers.py sets: sweep ourselves.
+    kombu_hooks.install_restore_sweep(app)
     logs.install(settings.log_format)
     logger.debug("celery app for broker %s", redact_url(settings.broker_url or ""))
     return app

@@ -3,10 +3,13 @@ else a real worker runs kombu's stock path, says so in one line, and applies eve
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from kombu import connection, entity
 
 from checkpointq.worker.hooks import kombu as kombu_hooks
 from checkpointq.worker.settings import Settings
@@ -14,6 +17,10 @@ from tests.support.celery_processes import REPO, CeleryProcess, checkpointq_env
 from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import RedisServer
 from tests.support.workers import TEST_WORKER_SETTINGS, wait_redis_queue_drained
+
+# kombu's hints are partial (untyped functions): its classes are used as Any here.
+Connection: Any = connection.Connection
+Queue: Any = entity.Queue
 
 #: Makes the worker's kombu report a line no hook is proven on, before anything imports it.
 UNPROVEN_KOMBU = """
@@ -93,3 +100,39 @@ def test_an_unproven_kombu_runs_the_stock_path_and_applies_every_save(
     finally:
         code = worker.stop()
         print(f"--- worker log (exit {code}) ---\n{worker.log()}")
+
+
+def test_a_dead_workers_message_is_handed_out_by_the_sweep(redis_server: RedisServer) -> None:
+    # Given a message a worker took from the queue and never acknowledged, held past the
+    # visibility timeout (its unacked index entry backdated: the worker died long ago)
+    url = f"{redis_server.url.rsplit('/', 1)[0]}/7"
+    options = {"visibility_timeout": 10, "unacked_restore_interval": 1}
+    broker = Connection(url, transport_options=options)
+    with broker:
+        channel = broker.channel()
+        queue = Queue("sweep-test", channel=channel)
+        queue.declare()
+        broker.Producer(channel).publish({"n": 1}, routing_key="sweep-test")
+        held = queue.get(no_ack=False)
+        assert held is not None
+        client = channel.client
+        (tag,) = client.zrange(channel.unacked_index_key, 0, -1)
+        client.zadd(channel.unacked_index_key, {tag: 1})
+        assert client.llen("sweep-test") == 0
+        # When the sweep runs on a consumer reading from that channel
+        consumer = types.SimpleNamespace(task_consumer=types.SimpleNamespace(channel=channel))
+        kombu_hooks._sweep(consumer)
+        # Then the message is back in its queue and no longer held
+        assert client.llen("sweep-test") == 1
+        assert client.zcard(channel.unacked_index_key) == 0
+        client.flushdb()
+        channel.close()
+
+
+def test_the_sweep_is_added_only_where_kombu_ignores_the_restore_schedule() -> None:
+    from checkpointq.worker.app import create_app
+
+    app = create_app(Settings(broker_url="redis://127.0.0.1:1/0"))
+    names = {step.__name__ for step in app.steps["consumer"]}
+    # kombu 5.7 sweeps every unacked_restore_interval itself; 5.5 and 5.6 every 100 s
+    assert ("RestoreSweep" in names) == (not kombu_hooks.sweeps_on_schedule())

@@ -31,6 +31,7 @@ from time import monotonic
 from typing import Any
 
 import kombu
+from celery import bootsteps
 from kombu import message as kombu_message
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
@@ -436,6 +437,56 @@ def settled_as_acked(qos: Any, message: Any, tag: Any) -> None:
     would: the QoS forgets the tag and the message counts as acknowledged."""
     qos._quick_ack(tag)
     message._state = "ACK"
+
+
+# -- kombu before 5.7: the sweep for abandoned messages, on the options' schedule ----------
+
+
+def sweeps_on_schedule() -> bool:
+    """Whether kombu sweeps ``unacked`` on the schedule its ``unacked_restore_interval`` and
+    ``unacked_restore_throttle`` transport options set (5.7 on). Before, it ignores them and
+    scans on every tenth call of a 10 s timer: a dead worker's messages came back up to
+    100 s after the visibility timeout, not a tenth of it."""
+    return hasattr(kombu_redis.Channel, "unacked_restore_throttle")
+
+
+def install_restore_sweep(app: Any) -> None:
+    """On a kombu that does not sweep on schedule, sweep every ``unacked_restore_interval``
+    seconds of ``app``'s transport options from the consumer's timer, as kombu 5.7 does,
+    through the Redis QoS's public ``restore_visible`` (which takes kombu's own mutex)."""
+    interval = app.conf.broker_transport_options.get("unacked_restore_interval")
+    if interval is None or sweeps_on_schedule():
+        return
+
+    class RestoreSweep(bootsteps.StartStopStep):  # type: ignore[misc]  # no celery hints
+        requires = ("celery.worker.consumer.tasks:Tasks",)
+
+        def __init__(self, consumer: Any, **kwargs: Any) -> None:
+            self._tref: Any = None
+
+        def start(self, consumer: Any) -> None:
+            self._tref = consumer.timer.call_repeatedly(interval, _sweep, (consumer,))
+
+        def stop(self, consumer: Any) -> None:
+            if self._tref is not None:
+                consumer.timer.cancel(self._tref)
+                self._tref = None
+
+        shutdown = stop
+
+    app.steps["consumer"].add(RestoreSweep)
+
+
+def _sweep(consumer: Any) -> None:
+    """Hand out what the ``unacked`` index holds past the visibility timeout, now."""
+    channel: Any = getattr(consumer.task_consumer, "channel", None)
+    restore = getattr(getattr(channel, "qos", None), "restore_visible", None)
+    if restore is None:  # not kombu's Redis transport
+        return
+    try:
+        restore(num=channel.unacked_restore_limit, interval=1)
+    except channel.connection_errors as exc:  # the consumer reconnects; next turn, again
+        logger.debug("restore sweep skipped: %s", exc)
 
 
 # -- the version check and self-test -----------------------------------------------------
