@@ -83,13 +83,25 @@ class StoreGate:
         """Pause now: this process just saw ``side`` refuse a write."""
         self._pause(side, why)
 
+    def carry(self, earlier: StoreGate) -> None:
+        """Hold the pause of ``earlier``, the gate of this consumer before it restarted (a
+        refused broker write restarts it): its refusals were announced, and the tick that
+        finds them over says so, with the pause's whole length."""
+        if earlier.refusals:
+            self._stop_taking()
+            self.refusals = dict(earlier.refusals)
+            self._paused_at = earlier._paused_at
+
+    def _stop_taking(self) -> None:
+        task_consumer = self.consumer.task_consumer
+        self._queues = list(task_consumer.queues)
+        for queue in self._queues:
+            task_consumer.cancel_by_queue(queue.name)
+        self._paused_at = time.monotonic()
+
     def _pause(self, side: str, refusal: str) -> None:
         if not self.refusals:
-            task_consumer = self.consumer.task_consumer
-            self._queues = list(task_consumer.queues)
-            for queue in self._queues:
-                task_consumer.cancel_by_queue(queue.name)
-            self._paused_at = time.monotonic()
+            self._stop_taking()
         if side not in self.refusals:
             logger.warning(
                 "%s refusing writes (%s): stopped taking messages from %s until it "
@@ -194,6 +206,8 @@ def install(app: Celery, settings: Settings) -> None:
             self._probe: _StoreProbe | None = None
             self._broker: _BrokerProbe | None = None
             self._tref: Any = None
+            #: The gate of the consumer's last start, kept through a restart.
+            self._gate: StoreGate | None = None
 
         def start(self, consumer: Any) -> None:
             global _current
@@ -201,7 +215,9 @@ def install(app: Celery, settings: Settings) -> None:
             self._probe = _StoreProbe(resolved)
             self._broker = _BrokerProbe(resolved)
             gate = StoreGate(consumer, self._probe, self._broker)
-            _current = gate
+            if self._gate is not None:
+                gate.carry(self._gate)
+            self._gate = _current = gate
             gate.tick()
             self._tref = consumer.timer.call_repeatedly(settings.store_probe_seconds, gate.tick)
 

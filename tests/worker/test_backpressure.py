@@ -89,6 +89,33 @@ def test_a_refusal_seen_elsewhere_trips_the_gate_at_once(
     assert consumer.consuming_from("gate")
 
 
+def test_a_pause_outlives_a_consumer_restart_and_its_end_is_announced(
+    kombu_consumer: tuple[Any, Any, list[Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a gate paused by a refused broker write, which restarts the consumer: its steps
+    # start again with a new task consumer and a new gate
+    conn, first, _ = kombu_consumer
+    earlier = StoreGate(SimpleNamespace(task_consumer=first), lambda: None)
+    earlier.trip(OOM, backpressure.BROKER)
+    channel = conn.channel()
+    restarted = Consumer(channel, queues=[Queue("gate", channel=channel)])
+    restarted.consume()
+    answers = iter([OOM, None])
+    gate = StoreGate(SimpleNamespace(task_consumer=restarted), lambda: None, lambda: next(answers))
+    # When the new gate takes the pause over, the new consumer takes nothing
+    gate.carry(earlier)
+    assert gate.paused and not restarted.consuming_from("gate")
+    # And while the broker still refuses, the pause goes on without a second announcement
+    gate.tick()
+    assert gate.paused and caplog.text.count("broker refusing writes") == 1
+    # Then once the broker accepts writes, it consumes again and says so, once
+    gate.tick()
+    assert not gate.paused and restarted.consuming_from("gate")
+    assert caplog.text.count("broker accepts writes again") == 1
+    restarted.cancel()
+    channel.close()
+
+
 class _DownStream(fakeredis.FakeRedis):
     """A store Redis that cannot record dead letters."""
 
