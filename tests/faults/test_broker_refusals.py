@@ -256,12 +256,9 @@ def _failover(master: RedisServer, replica: RedisServer) -> None:
     )
 
 
-@pytest.mark.timeout(900)
-def test_a_broker_demoted_to_a_read_only_replica_pauses_the_worker_until_it_is_master_again(
-    deployment: Deployment, scale: Scale
-) -> None:
-    # Given a broker with a replica (kept in sync), a store of its own, producers pushing
-    broker, other = deployment.broker, RedisServer().start()
+def _synced_replica_of(broker: RedisServer) -> RedisServer:
+    """A new redis-server replicating ``broker``, once it is in sync."""
+    other = RedisServer().start()
     try:
         other.client().replicaof("127.0.0.1", broker.port)
         wait_until(
@@ -269,6 +266,19 @@ def test_a_broker_demoted_to_a_read_only_replica_pauses_the_worker_until_it_is_m
             timeout=30,
             message="the replica to sync",
         )
+    except BaseException:
+        other.cleanup()
+        raise
+    return other
+
+
+@pytest.mark.timeout(900)
+def test_a_broker_demoted_to_a_read_only_replica_pauses_the_worker_until_it_is_master_again(
+    deployment: Deployment, scale: Scale
+) -> None:
+    # Given a broker with a replica (kept in sync), a store of its own, producers pushing
+    broker, other = deployment.broker, _synced_replica_of(deployment.broker)
+    try:
 
         def demote() -> Callable[[], object]:
             # When the replica is promoted away: the broker the workers and producers use
@@ -302,14 +312,8 @@ def test_an_idle_worker_waiting_on_its_broker_survives_the_broker_turning_replic
     deployment: Deployment, scale: Scale
 ) -> None:
     # Given an idle worker, blocked in BRPOP on a broker that has a replica
-    broker, other = deployment.broker, RedisServer().start()
+    broker, other = deployment.broker, _synced_replica_of(deployment.broker)
     try:
-        other.client().replicaof("127.0.0.1", broker.port)
-        wait_until(
-            lambda: other.client().info("replication").get("master_link_status") == "up",
-            timeout=30,
-            message="the replica to sync",
-        )
         worker = deployment.worker()
         wait_until(
             lambda: any(c.get("cmd") == "brpop" for c in broker.client().client_list()),
