@@ -1,6 +1,7 @@
 """Every use of redis-py below its client API, in one place: sending packed commands down a
 pooled connection and reading their replies by hand, and peeking at a pop's reply on the
-socket to learn its item's length before anything reads it (``worker/oversize.py``).
+socket to learn its item's length before anything reads it (``worker/oversize.py``), or to
+drop a reply whose item the reader does not need (an idle worker's wake-up).
 
 Nothing else in checkpointq reaches past redis-py's public client API (commands, pipelines,
 ``Script``); when redis-py changes its connection classes, this module is the one to re-read.
@@ -17,16 +18,18 @@ import re
 import select
 import socket
 import ssl
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cache
 from time import monotonic
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from redis import exceptions as redis_errors
 from redis.connection import AbstractConnection, ConnectionPool
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 #: redis-py major versions the hand-sent path is proven on (scripts/test-matrix runs the
 #: lowest and highest). Before 5.3 a pool's ``get_connection`` takes a command name; from
@@ -143,6 +146,19 @@ def peek_pop_reply(connection: Any) -> tuple[int, bytes, int] | None:
     key it names and the length of the item it carries, all left unread; None when that
     cannot be known (no plain socket, TLS, bytes already read by the parser, or no item).
     """
+    return _peek(connection, _pop_reply_start, b"*2")
+
+
+def peek_bulk_reply(connection: Any) -> tuple[int, int] | None:
+    """The length of the header of the bulk reply (one item, as BLMOVE answers) waiting on
+    ``connection``'s socket and the length of its item, left unread; None when that cannot
+    be known (as ``peek_pop_reply``) or the reply carries no item."""
+    return _peek(connection, _bulk_reply_start, b"$")
+
+
+def _peek(connection: Any, parse: Callable[[bytes], _T | None], opening: bytes) -> _T | None:
+    """``parse`` of the start of the reply waiting on ``connection``'s socket, read with
+    MSG_PEEK (nothing consumed), once it parses or cannot (it does not begin ``opening``)."""
     sock = getattr(connection, "_sock", None)
     if not isinstance(sock, socket.socket) or isinstance(sock, ssl.SSLSocket):
         return None
@@ -156,15 +172,20 @@ def peek_pop_reply(connection: Any) -> tuple[int, bytes, int] | None:
             start = b""
         except OSError:
             return None  # the parser will meet the same error and report it
-        parsed = _pop_reply_start(start)
+        parsed = parse(start)
         # Done once it parses, or once it cannot: too long, or not an item's reply (a null
         # or an error). A bare "*" may yet become "*2": wait for more of it.
-        item_reply = start.startswith(b"*2") or b"*2".startswith(start)
+        item_reply = start.startswith(opening) or opening.startswith(start)
         if parsed is not None or len(start) >= _PEEK_BYTES or not item_reply:
             return parsed
         if monotonic() > deadline:
             return None
         select.select([sock], [], [], 0.01)
+
+
+def _bulk_reply_start(start: bytes) -> tuple[int, int] | None:
+    bulk = _BULK.match(start)
+    return None if bulk is None else (bulk.end(), int(bulk.group(1)))
 
 
 def _pop_reply_start(start: bytes) -> tuple[int, bytes, int] | None:
@@ -181,9 +202,13 @@ def _pop_reply_start(start: bytes) -> tuple[int, bytes, int] | None:
     return bulk.end(), start[key_at:key_end], int(bulk.group(1))
 
 
+#: Bytes ``discard`` holds at a time.
+_DISCARD_CHUNK = 1024 * 1024
+
+
 def discard(connection: Any, size: int) -> None:
-    """Read and drop exactly ``size`` bytes from ``connection``'s socket."""
-    for _ in stream(connection, size, size):
+    """Read and drop exactly ``size`` bytes from ``connection``'s socket, a chunk at a time."""
+    for _ in stream(connection, size, _DISCARD_CHUNK):
         pass
 
 

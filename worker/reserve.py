@@ -12,15 +12,18 @@ them without a second write (``worker/hooks/kombu.py``).
 
 The script is sent where kombu sends its BRPOP, on the channel's polled connection, and its
 reply read by the same reader when the event loop sees it: the main process never waits on
-the broker. BRPOP stays the way an idle worker waits: the reader sends the script only while
-the last read suggests more is queued (``Reading``), and BRPOP again once a script comes
-back short.
+the broker. Every message is taken by the script, never by BRPOP: an item BRPOP popped
+exists only in its reply until the worker records it, so a worker killed (or a connection
+cut) in between lost it. An idle worker waits with ``BLMOVE q q RIGHT RIGHT`` instead
+(``wait_command``), which moves a message from the tail of its list to the same place: it
+wakes on the first message and takes nothing, and the script then reserves what is queued.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import uuid
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -43,11 +46,9 @@ BYTE_BUDGET = 4 * 1024 * 1024
 MAX_HELD_BYTES_OPTION = "checkpointq_prefetch_max_bytes"
 #: Messages one reserve takes at most when the prefetch window is unlimited (prefetch 0).
 BATCH_LIMIT = 100
-#: The least room in the prefetch window worth a script call: one costs the broker a fixed
-#: ~30 us plus ~120 us per 27 KB message (Lua copies large strings), where BRPOP and kombu's
-#: write-back cost it ~50 us per message. Below this (a worker without coalescing has a
-#: window of one message per pool process), the channel reads as kombu does.
-MIN_ROOM = 4
+#: A wait's reply carries the item it saw, which the reader does not need: past this size
+#: it is read from the socket a chunk at a time and dropped, never held whole.
+WAKE_READ_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,14 +94,42 @@ class Request:
 
 @dataclass(slots=True)
 class Reading:
-    """How a channel reads next: BRPOP (idle) or the script (messages keep coming)."""
+    """How a channel reads next: a wait (idle) or the script (messages may be queued)."""
 
-    #: Send the script rather than BRPOP: the last read took all it could.
+    #: Send the script rather than a wait: the last read took all it could, or woke.
     busy: bool = False
     #: The script call whose reply the polled connection is waiting for.
     pending: Request | None = None
+    #: A wait (``wait_command`` or ``sleep_command``) was sent: its reply is only a wake-up.
+    waiting: bool = False
+    #: The broker refused the last wait for want of memory (BLMOVE may grow a list, so a
+    #: full broker refuses it): sleep instead of waiting, once (``sleep_command``).
+    full: bool = False
+    #: Take the next message with kombu's BRPOP: the broker refused the script.
+    brpop_next: bool = False
+    #: Why this broker takes no waits (a Redis before 6.2 has no BLMOVE): BRPOP it is.
+    no_wait: str | None = None
     #: Whether the broker's refusal of the script was logged (once per channel).
     warned: bool = False
+
+
+def wait_command(key: str | bytes, timeout: float) -> list[Any]:
+    """The command an idle channel waits with: it returns when ``key`` holds a message (or
+    after ``timeout`` seconds), moving that message from the list's tail to its tail, i.e.
+    nowhere. Nothing leaves the list, so nothing is lost whatever happens to the reply."""
+    return ["BLMOVE", key, key, "RIGHT", "RIGHT", timeout]
+
+
+#: A stream key nobody writes: what ``sleep_command`` blocks on.
+_NOWHERE = f"_checkpointq.sleep.{uuid.uuid4().hex}"
+
+
+def sleep_command(timeout: float) -> list[Any]:
+    """A command that returns nothing after ``timeout`` seconds, accepted by a full broker:
+    how an idle channel waits while the broker refuses ``wait_command``. (BRPOP would be
+    accepted too, but what it pops is lost if recording it is refused, as a full broker
+    refuses it.) ``timeout`` 0 sleeps 1 s, not forever."""
+    return ["XREAD", "BLOCK", int((timeout or 1) * 1000), "STREAMS", _NOWHERE, "$"]
 
 
 @cache

@@ -311,16 +311,16 @@ def test_a_broker_demoted_to_a_read_only_replica_pauses_the_worker_until_it_is_m
 def test_an_idle_worker_waiting_on_its_broker_survives_the_broker_turning_replica(
     deployment: Deployment, scale: Scale
 ) -> None:
-    # Given an idle worker, blocked in BRPOP on a broker that has a replica
+    # Given an idle worker, blocked in its wait (BLMOVE) on a broker that has a replica
     broker, other = deployment.broker, _synced_replica_of(deployment.broker)
     try:
         worker = deployment.worker()
         wait_until(
-            lambda: any(c.get("cmd") == "brpop" for c in broker.client().client_list()),
+            lambda: any(c.get("cmd") == "blmove" for c in broker.client().client_list()),
             timeout=30,
-            message="the worker to wait in BRPOP",
+            message="the worker to wait in BLMOVE",
         )
-        # When the broker turns replica (Redis answers the blocked BRPOP with -UNBLOCKED)
+        # When the broker turns replica (Redis answers the blocked wait with -UNBLOCKED)
         # and is made master again
         _failover(broker, other)
         try:

@@ -270,6 +270,10 @@ def test_kill_9_of_the_worker_mid_group_loses_no_turn(
         message="every request applied and settled",
     )
     assert all(store.load(s).version == 2 for s in sessions)  # type: ignore[union-attr]
+    # (no message left the queue by BRPOP, which the kill could have caught between its
+    # reply and the worker recording the message: every one was taken by the reserve script)
+    stats = deployment.broker_client().info("commandstats")
+    assert int(stats.get("cmdstat_brpop", {}).get("calls", 0)) == 0
 
 
 def test_a_broker_restart_during_the_lag_keeps_the_records(

@@ -83,10 +83,10 @@ def live(deployment: Deployment) -> Iterator[Deployment]:
 def guarded() -> Iterator[None]:
     """The worker's reader in kombu's Redis channels for this test, kombu's own after."""
     channel: Any = kombu_redis.Channel
-    saved = channel._brpop_read, channel.basic_consume
+    saved = channel._brpop_read, channel._brpop_start, channel.basic_consume, channel.codecs
     kombu_hooks.install()
     yield
-    channel._brpop_read, channel.basic_consume = saved
+    channel._brpop_read, channel._brpop_start, channel.basic_consume, channel.codecs = saved
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ import redis
 
 from checkpointq.worker import lost_settles, reserve
 from checkpointq.worker.consumer import _release_slot_when_broker_lost
+from checkpointq.worker.hooks import kombu as kombu_hooks
 from tests.support.servers import RedisServer, wait_until
 from tests.worker.test_reserve import QUEUE, _consume, _publish
 
@@ -97,12 +98,14 @@ def test_a_reservation_whose_reply_was_lost_is_handed_back_to_the_queue(
     lost: lost_settles.LostSettles,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Given 10 queued messages, and a consumer with room for 8 that took the first by BRPOP
-    _publish(redis_server.url, 10)
+    # Given a consumer with room for 8 that took a first message, and 9 queued since
+    _publish(redis_server.url, 1)
     conn, channel, received = _consume(redis_server.url, prefetch=8)
     try:
         conn.drain_events(timeout=5)
         assert len(received) == 1
+        _publish(redis_server.url, 9)
+        kombu_hooks._reading(channel).busy = True  # as after a wait woke on them
         # When the reserve script runs on the broker but its reply is lost with the connection
         client = channel.client
         parse = client.parse_response
@@ -134,12 +137,14 @@ def test_a_reservation_left_unread_when_the_consumer_restarts_is_handed_back(
     lost: lost_settles.LostSettles,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Given a consumer with room for 8 that took the first of 10 messages by BRPOP, and
-    # whose reserve script for the next 7 ran on the broker
-    _publish(redis_server.url, 10)
+    # Given a consumer with room for 8 that took a first message, and whose reserve script
+    # for the next 7 of the 9 queued since ran on the broker
+    _publish(redis_server.url, 1)
     conn, channel, _ = _consume(redis_server.url, prefetch=8)
     conn.drain_events(timeout=5)
-    channel._brpop_start()  # what kombu's poller sends next: the script, as more is queued
+    _publish(redis_server.url, 9)
+    kombu_hooks._reading(channel).busy = True  # as after a wait woke on them
+    channel._brpop_start()  # what kombu's poller sends next: the script
     wait_until(lambda: broker.hlen(channel.unacked_key) == 8, timeout=10, message="the script")
     # When Celery restarts its consumer because a connection dropped: its close of the
     # channel reads the pending reply first, fails on the dead connection, and Celery
@@ -210,7 +215,6 @@ def test_a_reservation_whose_put_back_was_cut_short_is_handed_back(
 
     conn, channel, _ = _consume(redis_server.url, prefetch=10, on_message=fail_on_third)
     try:
-        conn.drain_events(timeout=5)
         # When the put-back of the rest of its batch is cut off with the connection
         monkeypatch.setattr(reserve, "put_back", _cut)
         with pytest.raises(redis.ConnectionError):

@@ -74,6 +74,12 @@ def _popped_by_script(client: redis.Redis) -> int:
     return int(stats.get("calls", 0))
 
 
+def _brpops(client: redis.Redis) -> int:
+    """BRPOP calls the broker answered: with the guarded reader, none."""
+    stats: dict[str, Any] = client.info("commandstats").get("cmdstat_brpop", {})
+    return int(stats.get("calls", 0))
+
+
 @pytest.fixture
 def script_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The limit of each reserve script call the reader sends."""
@@ -95,18 +101,16 @@ def test_one_read_reserves_the_prefetch_window_recorded_as_kombus_qos_records_it
     bodies = _publish(redis_server.url, 20)
     conn, channel, received = _consume(redis_server.url, prefetch=8)
     try:
-        # When it reads twice
+        # When it reads (the wait wakes at once; the script reserves)
         before = time.time()
-        conn.drain_events(timeout=5)
-        # (a BRPOP: one message; more may be queued, so the next read is the script's)
-        assert len(received) == 1
         conn.drain_events(timeout=5)
         after = time.time()
         # Then it holds 8 messages, the first 8 in order, and 12 stay queued
         assert [m.decode()["n"] for m in received] == [b["n"] for b in bodies[:8]]
         assert broker.llen(QUEUE) == 12
-        # the 7 after the first taken by one script call
-        assert script_calls == [7] and _popped_by_script(broker) == 7
+        # all 8 taken by one script call, none by BRPOP
+        assert script_calls == [8] and _popped_by_script(broker) == 8
+        assert _brpops(broker) == 0
         # And each is in kombu's unacked hash and index as kombu's QoS.append writes it:
         # [the message as delivered, exchange, routing key], scored by the worker's clock
         assert broker.hlen(channel.unacked_key) == broker.zcard(channel.unacked_index_key) == 8
@@ -127,18 +131,20 @@ def test_one_read_reserves_the_prefetch_window_recorded_as_kombus_qos_records_it
         conn.close()
 
 
-def test_a_small_prefetch_window_reads_as_kombu_does(
+def test_a_small_prefetch_window_is_reserved_by_the_script_too(
     guarded: None, broker: redis.Redis, redis_server: RedisServer, script_calls: list[int]
 ) -> None:
-    # Given a consumer whose window holds fewer messages than a script call is worth
+    # Given a consumer whose window holds two messages (a worker without coalescing)
     _publish(redis_server.url, 5)
-    conn, channel, received = _consume(redis_server.url, prefetch=reserve.MIN_ROOM)
+    conn, channel, received = _consume(redis_server.url, prefetch=2)
     try:
         # When it reads until its window is full
         wait_until(lambda: conn.drain_events(timeout=1) or not channel.qos.can_consume())
-        # Then every message came by BRPOP, recorded by kombu's own QoS
-        assert script_calls == [] and _popped_by_script(broker) == 0
-        assert len(received) == reserve.MIN_ROOM == broker.hlen(channel.unacked_key)
+        # Then the script took both, recorded as kombu records them, and no BRPOP took any
+        # (a message BRPOP pops is only in its reply until recorded)
+        assert script_calls == [2] and _popped_by_script(broker) == 2
+        assert _brpops(broker) == 0
+        assert len(received) == 2 == broker.hlen(channel.unacked_key)
     finally:
         conn.close()
 
@@ -197,16 +203,132 @@ def test_an_idle_consumer_still_wakes_on_the_first_message(
         # Then the next read delivers it
         conn.drain_events(timeout=5)
         assert len(received) == 1
-        # And once a script read finds the queue empty, the consumer waits in BRPOP again
-        # (one script call in all: it does not poll the broker with scripts)
+        # And once a script read finds the queue empty, the consumer waits again (one
+        # script call in all: it does not poll the broker with scripts), taking nothing
         with pytest.raises(TimeoutError):
             conn.drain_events(timeout=0.5)
-        assert script_calls == [7]
+        assert script_calls == [8] and _brpops(broker) == 0
         _publish(redis_server.url, 1)
         conn.drain_events(timeout=5)
         assert len(received) == 2
     finally:
         conn.close()
+
+
+def test_a_wait_takes_nothing_and_wakes_on_the_first_message(redis_client: redis.Redis) -> None:
+    # Given a list of three items
+    redis_client.lpush("q", b"a", b"b", b"c")
+    # When an idle consumer's wait runs on it
+    client: Any = redis_client  # (execute_command is untyped in redis-py's hints)
+    seen = client.execute_command(*reserve.wait_command("q", 1))
+    # Then it answers with the item next in line and leaves the list as it was
+    assert seen == b"a" and redis_client.lrange("q", 0, -1) == [b"c", b"b", b"a"]
+    # And on an empty list it blocks until an item arrives, which stays queued
+    redis_client.delete("q")
+    connection: Any = redis.Connection  # (untyped in redis-py's hints)
+    waiting: Any = connection(**redis_client.connection_pool.connection_kwargs)
+    waiting.connect()
+    try:
+        waiting.send_command(*reserve.wait_command("q", 10))
+        assert not select.select([waiting._sock], [], [], 0.2)[0]  # blocked
+        redis_client.lpush("q", b"d")
+        assert select.select([waiting._sock], [], [], 5)[0]
+        assert waiting.read_response() == b"d"
+        assert redis_client.lrange("q", 0, -1) == [b"d"]
+    finally:
+        waiting.disconnect()
+
+
+def test_a_full_broker_refusing_the_wait_still_delivers_everything_by_the_script(
+    guarded: None, broker: redis.Redis, redis_server: RedisServer, script_calls: list[int]
+) -> None:
+    # Given 5 queued messages on a broker that then runs out of memory (noeviction): it
+    # refuses BLMOVE, which may grow a list, and kombu's own recording of a BRPOP'd message
+    _publish(redis_server.url, 5)
+    broker.config_set("maxmemory-policy", "noeviction")
+    broker.config_set("maxmemory", 1)
+    conn, channel, received = _consume(redis_server.url, prefetch=8)
+    try:
+        # When the consumer reads
+        wait_until(lambda: conn.drain_events(timeout=1) or len(received) == 5, timeout=10)
+        # Then the script took all five, recorded, and no BRPOP took one (what it pops is
+        # lost if its recording is refused)
+        assert _brpops(broker) == 0 and script_calls
+        assert broker.hlen(channel.unacked_key) == 5 and broker.llen(QUEUE) == 0
+        # And idle on the full broker it sleeps between reads rather than spinning
+        calls = len(script_calls)
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=2.5)
+        assert len(script_calls) - calls <= 4
+        assert _brpops(broker) == 0
+    finally:
+        broker.config_set("maxmemory", 0)
+        conn.close()
+
+
+@pytest.fixture
+def no_blmove_server() -> Iterator[RedisServer]:
+    """A broker without BLMOVE, as a Redis before 6.2."""
+    server = RedisServer(extra_args=["--rename-command", "BLMOVE", ""]).start()
+    yield server
+    server.cleanup()
+
+
+def test_a_broker_without_blmove_is_read_by_brpop_when_idle(
+    guarded: None, no_blmove_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a broker without BLMOVE, and a consumer idle on it
+    broker = no_blmove_server.client()
+    broker.script_load(reserve.source())
+    conn, _, received = _consume(no_blmove_server.url, prefetch=8)
+    try:
+        Queue(QUEUE, channel=conn.default_channel).declare()
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=0.3)
+        # When messages arrive
+        _publish(no_blmove_server.url, 3)
+        wait_until(lambda: conn.drain_events(timeout=1) or len(received) == 3, timeout=10)
+        # Then they are delivered (the first by BRPOP, as kombu reads), and the operator is
+        # told once what that costs
+        assert [m.decode()["n"] for m in received] == [0, 1, 2]
+        assert _brpops(broker) >= 1
+        warned = [r.getMessage() for r in caplog.records if "refused BLMOVE" in r.getMessage()]
+        assert len(warned) == 1 and "loses it should the worker die" in warned[0]
+    finally:
+        conn.close()
+        broker.close()
+
+
+def test_an_oversize_item_popped_by_brpop_is_streamed_aside_unread(
+    guarded: None, no_blmove_server: RedisServer, dead_letters: DeadLetters
+) -> None:
+    # Given a broker without BLMOVE (so an idle consumer pops with BRPOP) and a 3 MB item
+    broker = no_blmove_server.client()
+    broker.script_load(reserve.source())
+    options = {"visibility_timeout": 3600, **oversize.transport_options("", 1024 * 1024, 16)}
+    conn = Connection(no_blmove_server.url, transport_options=options)
+    channel = conn.channel()
+    channel.basic_qos(0, 8, False)
+    received: list[Any] = []
+    channel.basic_consume(QUEUE, no_ack=False, callback=received.append, consumer_tag="t")
+    try:
+        Queue(QUEUE, channel=channel).declare()
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=0.3)
+        Producer(conn.channel()).publish(
+            {"n": "giant", "pad": "x" * 3_000_000},
+            routing_key=QUEUE,
+            headers={"task": "checkpoint.save", "id": "giant-id"},
+        )
+        # When the consumer's BRPOP takes it
+        wait_until(lambda: conn.drain_events(timeout=0.5) or dead_letters.count() == 1, timeout=10)
+        # Then it was streamed from the reply to the broker, never delivered, and kept whole
+        (letter,) = dead_letters.list().entries
+        assert "streamed to the broker" in letter.reason and received == []
+        assert broker.strlen(letter.headers["raw_key"]) == letter.raw_bytes > 4_000_000
+    finally:
+        conn.close()
+        broker.close()
 
 
 def test_a_broker_that_lost_the_script_gets_it_again_and_nothing_is_lost(
@@ -222,7 +344,7 @@ def test_a_broker_that_lost_the_script_gets_it_again_and_nothing_is_lost(
         # Then the first script call found it missing (NOSCRIPT), loaded it, and the next
         # took the rest, each recorded once
         assert [m.decode()["n"] for m in received] == [b["n"] for b in bodies]
-        assert script_calls == [7, 7]
+        assert script_calls == [8, 8]
         assert broker.hlen(channel.unacked_key) == 5
     finally:
         conn.close()
@@ -240,8 +362,7 @@ def test_a_consumer_that_raises_puts_the_rest_of_its_batch_back_in_order(
 
     conn, channel, received = _consume(redis_server.url, prefetch=10, on_message=fail_on_third)
     try:
-        # When it reads (a BRPOP for the first, the script for the rest)
-        conn.drain_events(timeout=5)
+        # When it reads (one script call takes all ten)
         with pytest.raises(RuntimeError):
             conn.drain_events(timeout=5)
         # Then the three it saw are held, and the seven it never saw are queued again, in
@@ -304,7 +425,7 @@ def test_kombu_restores_what_a_killed_consumer_reserved(
     # When it is killed with kill -9 while holding them
     assert victim.returncode == -signal.SIGKILL, victim.stderr.decode()
     assert broker.hlen("unacked") == 6 and broker.llen(QUEUE) == 4
-    assert _popped_by_script(broker) == 5  # one BRPOP, then the script for the other 5
+    assert _popped_by_script(broker) == 6 and _brpops(broker) == 0  # all by the script
     # Then kombu's own restore (unpatched), once their visibility timeout is past, puts every
     # one back in the queue, marked redelivered, and empties unacked
     with Connection(redis_server.url, transport_options={"visibility_timeout": 1}) as conn:
@@ -502,10 +623,9 @@ def test_a_batch_meeting_an_oversize_item_delivers_those_before_and_sets_it_asid
     received: list[Any] = []
     channel.basic_consume(QUEUE, no_ack=False, callback=received.append, consumer_tag="t")
     try:
-        # When it reads twice (a BRPOP for the first, then the script)
+        # When it reads (a wait that wakes at once, then the script)
         conn.drain_events(timeout=5)
-        conn.drain_events(timeout=5)
-        # Then the one before the giant is delivered, the giant is not, and the batch ends
+        # Then the ones before the giant are delivered, the giant is not, and the batch ends
         # there: the two after it stay queued
         assert [m.decode()["n"] for m in received] == [0, 1]
         assert broker.llen(QUEUE) == 2

@@ -37,8 +37,9 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.json import loads as kombu_loads
 from pybase64 import b64decode as strict_b64decode
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError, OutOfMemoryError, ResponseError
 
+from checkpointq.store import probe, redis_hooks
 from checkpointq.store.errors import StoreUnavailable
 from checkpointq.tasks.dead_letters import Reason
 from checkpointq.tasks.refusals import refuse
@@ -219,21 +220,42 @@ def _reserving(self: Any) -> bool:
 
 
 def _brpop_start(self: Any, timeout: Any = None) -> None:
-    """kombu's ``Channel._brpop_start``; while messages keep coming, the reserve script
-    takes the room left in the prefetch window instead of BRPOP taking one message."""
+    """kombu's ``Channel._brpop_start``, where every message is taken by the reserve script
+    (the room left in the prefetch window): an idle channel waits for one without taking it
+    (``reserve.wait_command``), then reserves. kombu's BRPOP only where the script cannot
+    record, or for one read the broker refused the script or the wait."""
     reading = _reading(self)
-    reading.pending = None
+    reading.pending, reading.waiting = None, False
     byte_room = reserve.byte_room(self)
     if byte_room is not None and byte_room <= 0:
         return  # the main process holds its byte budget: next turn, after an ack frees some
-    room = self.qos.can_consume_max_estimate()
-    if not reading.busy or (room is not None and room < reserve.MIN_ROOM) or not _reserving(self):
+    if reading.brpop_next or not _reserving(self):
+        reading.brpop_next = False
         # kombu 5.5 defaults to a 1 s BRPOP, 5.6 on to the channel's brpop_timeout
         _KOMBU_BRPOP_START(self) if timeout is None else _KOMBU_BRPOP_START(self, timeout)
         return
     queues = self._queue_cycle.consume(len(self.active_queues))
     if not queues:
         return
+    if not reading.busy:
+        if reading.no_wait is not None:
+            _KOMBU_BRPOP_START(self) if timeout is None else _KOMBU_BRPOP_START(self, timeout)
+            return
+        # Wakes on the first queue's unprioritised list, which holds what producers send;
+        # other lists are read by the script after each wait, every brpop_timeout at most.
+        if timeout is None:
+            timeout = getattr(self, "brpop_timeout", 1)
+        key = queue_key(self, queues[0], self.priority_steps[0])
+        command = reserve.wait_command(key, timeout or 0)
+        if reading.full:
+            reading.full = False
+            command = reserve.sleep_command(timeout or 0)
+        reading.waiting = True
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = monotonic()
+        self.client.connection.send_command(*command)
+        return
+    room = self.qos.can_consume_max_estimate()
     budget = reserve.BYTE_BUDGET if byte_room is None else min(reserve.BYTE_BUDGET, byte_room)
     sent, command = reserve.request(
         self, queues, reserve.BATCH_LIMIT if room is None else room, budget, oversize.guard_of(self)
@@ -246,6 +268,41 @@ def _brpop_start(self: Any, timeout: Any = None) -> None:
     self._in_poll = self.client.connection
     self._brpop_sent_at = monotonic()
     self.client.connection.send_command(*command)
+
+
+def _read_wait(self: Any, **options: Any) -> bool:
+    """The reply to a wait: a message is queued (it stays where it was) or the wait timed
+    out. Either way the script reads next; the item in the reply is not needed, and a large
+    one is dropped from the socket unread (on a plain socket; TLS replies are parsed)."""
+    reading = _reading(self)
+    connection = self.client.connection
+    try:
+        peeked = redis_hooks.peek_bulk_reply(connection)
+        if peeked is not None and peeked[1] > reserve.WAKE_READ_BYTES:
+            header, size = peeked
+            redis_hooks.discard(connection, header + size + 2)
+        else:
+            self.client.parse_response(connection, "BLMOVE", **options)
+    except self.connection_errors:
+        connection.disconnect()  # as kombu: the next iteration reconnects
+        raise
+    except ResponseError as exc:
+        code = str(exc).split(" ", 1)[0].upper()
+        if isinstance(exc, OutOfMemoryError) or code == "OOM":
+            # A full broker refuses BLMOVE, not the script: read next, sleep if nothing came.
+            reading.full = reading.busy = True
+            raise Empty() from None
+        if probe.refused(exc) is not None:
+            raise  # read-only, unblocked by a failover...: as a BRPOP would have been
+        reading.no_wait = str(exc)
+        logger.warning(
+            "broker refused BLMOVE (%s; Redis >= 6.2 has it): an idle worker takes its next "
+            "message with BRPOP, which loses it should the worker die before recording it",
+            exc,
+        )
+        raise Empty() from None
+    reading.busy = True
+    raise Empty()
 
 
 def _read_reserved(self: Any, sent: reserve.Request, **options: Any) -> bool:
@@ -273,7 +330,7 @@ def _read_reserved(self: Any, sent: reserve.Request, **options: Any) -> bool:
             if not reading.warned:
                 logger.warning("broker refused the reserve script (%s): one BRPOP each", exc)
                 reading.warned = True
-            reading.busy = False
+            reading.brpop_next = True
             raise Empty() from None
     finally:
         self._in_poll = None
@@ -333,6 +390,13 @@ def _guarded_brpop_read(self: Any, **options: Any) -> bool:
     sent, reading.pending = reading.pending, None
     if sent is not None:
         return _read_reserved(self, sent, **options)
+    if reading.waiting:
+        reading.waiting = False
+        try:
+            return _read_wait(self, **options)
+        finally:
+            self._in_poll = None
+            _flush_reauth(self)
     try:
         guard = oversize.guard_of(self)
         if guard is not None and oversize.take_reply(self, self.client.connection, guard):
