@@ -28,12 +28,12 @@ from checkpointq.worker import (
     backpressure,
     beat,
     coalesce,
+    compressed_bodies,
     logs,
     lost_settles,
     oversize,
     remote_control,
     reserve,
-    zstd_bodies,
 )
 from checkpointq.worker import signals as _signals  # noqa: F401  # importing it connects the hooks
 from checkpointq.worker.hooks import kombu as kombu_hooks
@@ -201,7 +201,7 @@ def create_app(settings: Settings | None = None) -> Celery:
     app.config_from_object(celery_config(settings))
     app.conf.update(beat.beat_config(settings))
     checkpoints.register(app)
-    zstd_bodies.install(settings.max_message_bytes)
+    compressed_bodies.install(settings.max_message_bytes)
     if settings.coalescing:
         coalesce.install(
             app,

@@ -35,7 +35,7 @@ from checkpointq.store.errors import StoreUnavailable
 from checkpointq.tasks import messages, observers, runtime
 from checkpointq.tasks.dead_letters import Reason
 from checkpointq.tasks.refusals import refuse
-from checkpointq.worker import backpressure, lost_settles, timing
+from checkpointq.worker import backpressure, compressed_bodies, lost_settles, timing
 from checkpointq.worker.hooks import celery as celery_hooks
 from checkpointq.worker.hooks import kombu as kombu_hooks
 
@@ -399,5 +399,9 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no 
             signals.task_rejected.send(sender=self, message=message, exc=exc)
 
     def on_decode_error(self, message: Message, exc: BaseException) -> None:
-        if self._record(message, Reason.UNDECODABLE, f"{type(exc).__name__}: {exc}"):
+        if isinstance(exc, compressed_bodies.BodyTooLarge):
+            recorded = self._record(message, Reason.OVERSIZE, str(exc))
+        else:
+            recorded = self._record(message, Reason.UNDECODABLE, f"{type(exc).__name__}: {exc}")
+        if recorded:
             self._discard(message)

@@ -33,6 +33,7 @@ from tests.faults.harness import (
     push,
     seq_base,
 )
+from tests.support.envelopes import protocol2
 from tests.support.servers import wait_until
 
 MIB = 1 << 20
@@ -299,4 +300,72 @@ def test_an_oversize_item_waits_in_its_queue_while_the_store_refuses_its_dead_le
         notes="the giant waited in its queue as it arrived while the store refused its "
         "dead letter; dead-lettered and kept once the store took writes",
         expect_dead=1,
+    )
+
+
+def _bombs() -> dict[str, bytes]:
+    """Bodies of a few hundred KB each that inflate to 512 MiB, by every codec kombu has."""
+    import bz2
+    import lzma
+    import zlib
+
+    import zstandard
+
+    inflated = b"[" * (512 * MIB)
+    return {
+        "application/x-gzip": zlib.compress(inflated, 9),
+        "application/x-bz2": bz2.compress(inflated, 9),
+        "application/x-lzma": lzma.compress(inflated),
+        # (no content size declared: the decoder learns the size only by inflating)
+        "application/zstd": zstandard.ZstdCompressor(level=3, write_content_size=False).compress(
+            inflated
+        ),
+    }
+
+
+def test_a_compression_bomb_is_refused_before_it_inflates(deployment: Deployment) -> None:
+    # Given a worker applying saves
+    worker = deployment.worker()
+    broker = deployment.broker_client()
+    load = generate_load(20, 100, random.Random(11))
+    push(broker, [r.envelope() for r in load[:50]])
+    deployment.settle(load[:50], timeout=120)
+    idle_kib = _status_kib(worker.pid, "VmRSS")
+    # When a save arrives whose few hundred KB body inflates to 512 MiB, by each codec kombu
+    # knows, amid more saves
+    bombs = _bombs()
+    assert all(len(body) < 2 * MIB for body in bombs.values())
+    ids = {codec: str(uuid.uuid4()) for codec in bombs}
+    push(
+        broker,
+        [
+            protocol2(
+                SAVE, [], body=body, compression=codec, task_id=ids[codec], queue=QUEUE
+            ).encode()
+            for codec, body in bombs.items()
+        ],
+    )
+    push(broker, [r.envelope() for r in load[50:]])
+    # Then each is dead-lettered, saying why, and the rest is applied
+    letters = deployment.wait_dead_letters(len(bombs), timeout=120)
+    verdict = deployment.settle(load, timeout=120)
+    by_id = {letter.task_id: letter for letter in letters.list().entries}
+    for codec, task_id in ids.items():
+        assert "inflates past" in by_id[task_id].reason, (codec, by_id[task_id].reason)
+    # and the main process never held an inflated body: it stays within the bound
+    # docs/reliability.md states (a bomb inflated whole took it past 512 MiB)
+    grown_mib = (_status_kib(worker.pid, "VmHWM") - idle_kib) / 1024
+    bound_mib = BOUND_ITEMS * _max_item_bytes() / MIB
+    assert worker.running() and grown_mib < bound_mib, f"main process grew {grown_mib:.0f} MiB"
+    finish(
+        deployment,
+        verdict,
+        scenario="compression-bombs",
+        title="Save bodies of 0.4-510 KB that inflate to 512 MiB",
+        load="100 saves / 20 sessions, the bombs between them",
+        faults="one save body per codec kombu decodes (gzip, bz2, lzma, zstd), each a few "
+        "hundred KB inflating to 512 MiB",
+        notes=f"dead-lettered once inflated past the limit, never whole; main process peak "
+        f"+{grown_mib:.1f} MiB (bound {bound_mib:.0f} MiB)",
+        expect_dead=len(bombs),
     )

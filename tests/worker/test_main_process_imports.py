@@ -1,7 +1,8 @@
 """The worker's main process loads only what it runs: no Celery CLI, zstd or RedBeat.
 
 Each of them costs the main process of every prefork worker memory (about 6 MB, 0.3 MB
-and 1 MB) for code only pool children (zstd), ``checkpointq health`` (RedBeat) or other
+and 1 MB) for code only pool children (zstd; the main process imports it on the first
+compressed body, ``worker/compressed_bodies.py``), ``checkpointq health`` (RedBeat) or other
 Celery commands need. Checked in a fresh interpreter, whose modules nothing else loaded.
 """
 
