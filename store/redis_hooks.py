@@ -172,6 +172,11 @@ def _peek(connection: Any, parse: Callable[[bytes], _T | None], opening: bytes) 
             start = b""
         except OSError:
             return None  # the parser will meet the same error and report it
+        else:
+            if not start:
+                # Closed by the broker (a killed connection): the socket stays readable, so
+                # waiting for a reply would spin the main process until the deadline.
+                return None  # the parser meets the end and reports it
         parsed = parse(start)
         # Done once it parses, or once it cannot: too long, or not an item's reply (a null
         # or an error). A bare "*" may yet become "*2": wait for more of it.

@@ -672,6 +672,35 @@ def test_peeking_at_a_pops_reply_reads_the_items_length_and_leaves_the_reply_unr
         conn.disconnect()
 
 
+def test_peeking_at_a_killed_connection_gives_up_at_once_and_the_parser_reports_it(
+    redis_client: redis.Redis,
+) -> None:
+    # Given an idle channel's wait (BLMOVE) on a connection the broker then kills
+    connection: Any = redis.Connection  # (untyped in redis-py's hints)
+    conn: Any = connection(**redis_client.connection_pool.connection_kwargs)
+    conn.connect()
+    try:
+        conn.send_command("CLIENT", "ID")
+        client_id = conn.read_response()
+        conn.send_command(*reserve.wait_command("q", 30))
+        assert redis_client.client_kill_filter(_id=client_id) == 1
+        # (polled as kombu polls it: the closed socket is readable)
+        assert select.select([conn._sock], [], [], 5)[0]
+        # When the reader peeks at the wait's reply
+        started = time.monotonic()
+        peeked = redis_hooks.peek_bulk_reply(conn)
+        took = time.monotonic() - started
+        # Then it returns at once (a socket at its end stays readable: waiting for a reply
+        # there spun the main process for the whole patience, 2 s per killed connection),
+        # and reading the reply reports the lost connection
+        assert peeked is None
+        assert took < redis_hooks._PEEK_PATIENCE / 4, took
+        with pytest.raises(redis.ConnectionError):
+            conn.read_response()
+    finally:
+        conn.disconnect()
+
+
 def test_past_the_items_kept_the_oldest_oversize_items_are_deleted(
     redis_client: redis.Redis,
 ) -> None:
