@@ -46,13 +46,15 @@ def _traced_dispatch(self: coalesce.Coalescer, group: list[coalesce._Pending]) -
     _dispatch(self, group)
 
 
-def _traced_settle(self: coalesce.Coalescer, group: list[coalesce._Pending], done: Any) -> None:
+def _traced_settle(
+    self: coalesce.Coalescer, group: list[coalesce._Pending], done: Any, flushes: int
+) -> None:
     global _settling
     _settling = record = _groups.pop(id(group), None)
     if record is not None:
         record["done"] = time.time()
     try:
-        _settle(self, group, done)
+        _settle(self, group, done, flushes)
     finally:
         _settling = None
     if record is not None:

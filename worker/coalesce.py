@@ -114,7 +114,11 @@ class Coalescer:
         self._opened = 0.0
         self._timer: Any = None
         self._turn_end_due = False
+        #: Groups in the pool, each counted as holding a process until it answers.
         self._in_flight = 0
+        #: Pool flushes so far (``pool_flushed``): a group counts in ``_in_flight`` only
+        #: while none happened since it was sent.
+        self._flushes = 0
 
     # -- main process, on the event loop -------------------------------------------------
 
@@ -168,9 +172,20 @@ class Coalescer:
         if group:
             self._dispatch(group)
 
+    def pool_flushed(self) -> None:
+        """Celery's consumer flushed the pool to reconnect (``Consumer.on_close``): the pool
+        dropped the jobs no process had started, without calling back (their messages come
+        back from the broker). No group sent so far is counted as holding a process any
+        longer: a dropped one would hold it for good, and once all were held only full
+        groups went, the rest waiting for the visibility timeout. A group still running
+        settles as before when it answers."""
+        self._in_flight = 0
+        self._flushes += 1
+
     def _dispatch(self, group: list[_Pending]) -> None:
         """Hand ``group`` to the pool as one job; settle it when the job answers."""
         self._in_flight += 1
+        flushes = self._flushes
         requests = [
             (p.task, p.task_id, _body(p.message), p.message.headers, p.message.delivery_info)
             for p in group
@@ -187,11 +202,11 @@ class Coalescer:
                 ((p.celery_task, p.task_id) for p, ok in zip(group, done, strict=False) if ok),
                 runtime,
             )
-            self._settle(group, done)
+            self._settle(group, done, flushes)
 
         def on_error(exc: Any) -> None:
             logger.warning("a group of %d requests failed (%s): each runs alone", len(group), exc)
-            self._settle(group, [None] * len(group))
+            self._settle(group, [None] * len(group), flushes)
 
         try:
             self.consumer.pool.apply_async(
@@ -199,10 +214,11 @@ class Coalescer:
             )
         except Exception:
             logger.exception("could not hand a group of %d requests to the pool", len(group))
-            self._settle(group, [None] * len(group))
+            self._settle(group, [None] * len(group), flushes)
 
-    def _settle(self, group: list[_Pending], done: list[Settled | None]) -> None:
-        self._in_flight -= 1
+    def _settle(self, group: list[_Pending], done: list[Settled | None], flushes: int) -> None:
+        if flushes == self._flushes:
+            self._in_flight -= 1
         # A pool process is free again: what waited for one goes first, so that the process
         # does not idle through this group's acknowledgement round trip. Writes are fenced by
         # ``seq``, so a request of this group run again as a task below may follow it.

@@ -275,6 +275,14 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no 
                 _exit_soon(exc)
                 raise
 
+    def on_close(self) -> None:
+        """Celery's clean-up before it reconnects, which flushes the pool: the coalescer's
+        groups no process had started are dropped there without a callback."""
+        super().on_close()
+        coalescer = getattr(self, "_checkpointq_coalescer", None)  # (worker/coalesce.py's)
+        if coalescer is not None:
+            coalescer.pool_flushed()
+
     def on_connection_error_after_connected(self, exc: Exception) -> None:
         """Celery's clean-up of a lost connection, which must never end the worker.
 

@@ -2,22 +2,31 @@
 
 The policy is checked on a stand-in consumer (an event loop whose turns the test runs, a pool
 whose answers and a timer whose expiries the test gives); without a window unless a test
-says so. The last test proves it on a real worker (the default: a 2 ms window).
+says so. The last tests prove it on real workers (the default: a 2 ms window).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import redis
 
 from checkpointq.tasks.messages import SAVE
+from checkpointq.tasks.producer.client import CheckpointClient
 from checkpointq.worker.coalesce import Coalescer, _Pending
 from checkpointq.worker.group_events import GroupEvents
+from checkpointq.worker.settings import Settings
+from tests.faults.harness import children
+from tests.support.celery_processes import CeleryProcess, checkpointq_env
 from tests.support.checkpoints import make_checkpoint
+from tests.support.servers import RedisServer, wait_until
+from tests.support.workers import TEST_WORKER_SETTINGS, wait_redis_queue_drained
 from tests.worker.conftest import Deployment
 
 
@@ -233,6 +242,25 @@ def test_each_message_is_acknowledged_only_once_its_group_answered() -> None:
     assert sorted(rig.acked) == ["a", "b"]
 
 
+def test_a_group_the_pool_dropped_at_a_reconnect_holds_no_process_after_it() -> None:
+    # Given both pool processes taken: one group running, one the pool has not started
+    rig = _rig()
+    rig.turns("a", "b")
+    # When the consumer reconnects: Celery flushes the pool, which drops the group not
+    # started without calling back
+    rig.pool.jobs.pop(1)
+    rig.coalescer.pool_flushed()
+    # Then the next message goes at once, and the group sent before the flush, answering,
+    # is acknowledged without freeing a process it no longer counted as holding
+    rig.turns("c")
+    rig.pool.answer(0)
+    assert rig.acked == ["a"]
+    rig.turns("d", "e")
+    assert rig.pool.sizes() == [1, 1]
+    rig.pool.answer(0)
+    assert rig.pool.sizes() == [1, 1]
+
+
 @pytest.mark.integration
 def test_a_lone_save_on_an_idle_worker_becomes_durable_and_acknowledged(live: Deployment) -> None:
     # Given an idle coalescing worker (the default: groups of up to 32)
@@ -247,3 +275,66 @@ def test_a_lone_save_on_an_idle_worker_becomes_durable_and_acknowledged(live: De
         live.wait_drained(timeout=15)
         loaded = client.load("lone-save")
         assert loaded is not None and loaded.version == 4
+
+
+@pytest.mark.integration
+def test_a_group_the_pool_dropped_at_a_reconnect_does_not_hold_back_later_saves(
+    broker_server: RedisServer, store_server: RedisServer
+) -> None:
+    # Given a coalescing worker with one pool process, on a database of the broker of its own
+    # (the module's worker reads database 0), the process stopped (alive, starting nothing)
+    url = f"{broker_server.url.rsplit('/', 1)[0]}/5"
+    values = {
+        **TEST_WORKER_SETTINGS,
+        "concurrency": 1,
+        "broker_url": url,
+        "store_url": store_server.url,
+    }
+    settings = Settings(**values)  # type: ignore[arg-type]
+    assert settings.coalescing
+    worker = CeleryProcess("worker", checkpointq_env(**values)).start()
+    broker = redis.Redis.from_url(url)
+    try:
+        assert worker.process is not None
+        (process,) = children(worker.process.pid)
+        os.kill(process, signal.SIGSTOP)
+        with CheckpointClient.from_settings(settings) as client:
+            try:
+                # and a save the worker took and handed to the pool as a group of one
+                dropped = client.save(make_checkpoint("dropped-group", version=1))
+                wait_until(
+                    lambda: broker.llen(settings.queue) == 0 and broker.hlen("unacked") == 1,
+                    timeout=15,
+                    message="the worker to take the save",
+                )
+                # When its broker connections are cut: the consumer reconnects, and Celery
+                # flushes the pool, dropping the group no process had started
+                _kill_other_clients(broker)
+                wait_until(
+                    lambda: worker.log().count("Connected to redis") >= 2,
+                    timeout=15,
+                    message="the consumer to reconnect",
+                )
+            finally:
+                os.kill(process, signal.SIGCONT)
+            # Then the dropped save, back from the broker, is applied and acknowledged, and
+            # a save sent afterwards is applied too: no group is held for a process that is
+            # idle (they waited for the visibility timeout, an hour here)
+            client.wait_durable(dropped, timeout=15)
+            later = client.save(make_checkpoint("after-the-drop", version=1))
+            client.wait_durable(later, timeout=15)
+            wait_redis_queue_drained(
+                lambda: redis.Redis.from_url(url), timeout=15, queue=settings.queue
+            )
+    finally:
+        broker.close()
+        code = worker.stop()
+        print(f"--- worker log (exit {code}) ---\n{worker.log()}")
+
+
+def _kill_other_clients(broker: redis.Redis) -> None:
+    """``CLIENT KILL`` every connection to ``broker``'s database but its own."""
+    database, own = broker.connection_pool.connection_kwargs.get("db", 0), broker.client_id()
+    for client in broker.client_list():
+        if int(client["db"]) == database and int(client["id"]) != own:
+            broker.client_kill_filter(_id=client["id"])
