@@ -232,7 +232,10 @@ def test_many_concurrent_messages_at_the_limit_keep_the_main_process_bounded(
         peaks.append(_status_kib(main, "VmHWM"))
     verdict = deployment.settle(saves, timeout=60)
     # Then every one is applied, the main process held a few at a time, not the flood, and
-    # the second flood took it no higher than the first (within one item)
+    # the second flood took it no higher than the first: within two items, as the number in
+    # flight at a flood's peak varies by one with timing (a flood's peak measured +91 to +104
+    # MiB in either flood over 8 floods; CI once saw +91.2 then +103.9), while keeping what a
+    # flood held would add tens of items
     first, second = ((peak - idle_kib) / 1024 for peak in peaks)
     item_mib = _max_item_bytes() / MIB
     bound_mib = BOUND_ITEMS * item_mib
@@ -247,7 +250,7 @@ def test_many_concurrent_messages_at_the_limit_keep_the_main_process_bounded(
             f"main process peak +{first:.1f} MiB then +{second:.1f} MiB over idle "
             f"{idle_kib / 1024:.0f} MiB (bound {bound_mib:.0f} MiB)"
         ),
-        passed=second < bound_mib and second - first < item_mib and worker.running(),
+        passed=second < bound_mib and second - first < 2 * item_mib and worker.running(),
     )
 
 
