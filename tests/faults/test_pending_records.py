@@ -21,7 +21,7 @@ from checkpointq.tasks.producer.clock import SeqClock, wall_clock_us
 from tests.faults.harness import QUEUE, Deployment
 from tests.support.checkpoints import make_checkpoint
 from tests.support.cluster import LocalCluster
-from tests.support.servers import wait_until
+from tests.support.servers import command_calls, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -272,8 +272,7 @@ def test_kill_9_of_the_worker_mid_group_loses_no_turn(
     assert all(store.load(s).version == 2 for s in sessions)  # type: ignore[union-attr]
     # (no message left the queue by BRPOP, which the kill could have caught between its
     # reply and the worker recording the message: every one was taken by the reserve script)
-    stats = deployment.broker_client().info("commandstats")
-    assert int(stats.get("cmdstat_brpop", {}).get("calls", 0)) == 0
+    assert command_calls(deployment.broker_client(), "brpop") == 0
 
 
 def test_a_broker_restart_during_the_lag_keeps_the_records(

@@ -13,6 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -23,6 +24,13 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def command_calls(client: redis.Redis, command: str) -> int:
+    """How many times the server ran ``command`` (lower case) since its statistics were
+    reset, scripts' calls included (INFO commandstats)."""
+    stats: dict[str, Any] = client.info("commandstats").get(f"cmdstat_{command}", {})
+    return int(stats.get("calls", 0))
 
 
 def wait_until(

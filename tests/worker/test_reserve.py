@@ -28,7 +28,7 @@ from checkpointq.tasks import runtime
 from checkpointq.tasks.dead_letters import DeadLetters
 from checkpointq.tasks.runtime import Runtime
 from checkpointq.worker import oversize, reserve
-from tests.support.servers import RedisServer, wait_until
+from tests.support.servers import RedisServer, command_calls, wait_until
 
 # kombu's hints are partial (untyped functions): its classes are used as Any here.
 Connection: Any = connection.Connection
@@ -70,14 +70,12 @@ def _consume(
 
 def _popped_by_script(client: redis.Redis) -> int:
     """Messages the script took (kombu itself pops with BRPOP only)."""
-    stats: dict[str, Any] = client.info("commandstats").get("cmdstat_rpop", {})
-    return int(stats.get("calls", 0))
+    return command_calls(client, "rpop")
 
 
 def _brpops(client: redis.Redis) -> int:
     """BRPOP calls the broker answered: with the guarded reader, none."""
-    stats: dict[str, Any] = client.info("commandstats").get("cmdstat_brpop", {})
-    return int(stats.get("calls", 0))
+    return command_calls(client, "brpop")
 
 
 @pytest.fixture
@@ -274,12 +272,22 @@ def no_blmove_server() -> Iterator[RedisServer]:
     server.cleanup()
 
 
+@pytest.fixture
+def no_blmove_broker(no_blmove_server: RedisServer) -> Iterator[redis.Redis]:
+    """A client of that broker, the script loaded (as ``broker`` for the shared server)."""
+    client = no_blmove_server.client()
+    client.script_load(reserve.source())
+    yield client
+    client.close()
+
+
 def test_a_broker_without_blmove_is_read_by_brpop_when_idle(
-    guarded: None, no_blmove_server: RedisServer, caplog: pytest.LogCaptureFixture
+    guarded: None,
+    no_blmove_server: RedisServer,
+    no_blmove_broker: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     # Given a broker without BLMOVE, and a consumer idle on it
-    broker = no_blmove_server.client()
-    broker.script_load(reserve.source())
     conn, _, received = _consume(no_blmove_server.url, prefetch=8)
     try:
         Queue(QUEUE, channel=conn.default_channel).declare()
@@ -291,20 +299,20 @@ def test_a_broker_without_blmove_is_read_by_brpop_when_idle(
         # Then they are delivered (the first by BRPOP, as kombu reads), and the operator is
         # told once what that costs
         assert [m.decode()["n"] for m in received] == [0, 1, 2]
-        assert _brpops(broker) >= 1
+        assert _brpops(no_blmove_broker) >= 1
         warned = [r.getMessage() for r in caplog.records if "refused BLMOVE" in r.getMessage()]
         assert len(warned) == 1 and "loses it should the worker die" in warned[0]
     finally:
         conn.close()
-        broker.close()
 
 
 def test_an_oversize_item_popped_by_brpop_is_streamed_aside_unread(
-    guarded: None, no_blmove_server: RedisServer, dead_letters: DeadLetters
+    guarded: None,
+    no_blmove_server: RedisServer,
+    no_blmove_broker: redis.Redis,
+    dead_letters: DeadLetters,
 ) -> None:
     # Given a broker without BLMOVE (so an idle consumer pops with BRPOP) and a 3 MB item
-    broker = no_blmove_server.client()
-    broker.script_load(reserve.source())
     options = {"visibility_timeout": 3600, **oversize.transport_options("", 1024 * 1024, 16)}
     conn = Connection(no_blmove_server.url, transport_options=options)
     channel = conn.channel()
@@ -325,10 +333,9 @@ def test_an_oversize_item_popped_by_brpop_is_streamed_aside_unread(
         # Then it was streamed from the reply to the broker, never delivered, and kept whole
         (letter,) = dead_letters.list().entries
         assert "streamed to the broker" in letter.reason and received == []
-        assert broker.strlen(letter.headers["raw_key"]) == letter.raw_bytes > 4_000_000
+        assert no_blmove_broker.strlen(letter.headers["raw_key"]) == letter.raw_bytes > 4_000_000
     finally:
         conn.close()
-        broker.close()
 
 
 def test_a_broker_that_lost_the_script_gets_it_again_and_nothing_is_lost(

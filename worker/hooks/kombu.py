@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from functools import cache
 from queue import Empty
 from time import monotonic
-from typing import Any
+from typing import Any, NoReturn
 
 import kombu
 from celery import bootsteps
@@ -229,7 +229,8 @@ def _brpop_start(self: Any, timeout: Any = None) -> None:
     byte_room = reserve.byte_room(self)
     if byte_room is not None and byte_room <= 0:
         return  # the main process holds its byte budget: next turn, after an ack frees some
-    if reading.brpop_next or not _reserving(self):
+    idle_without_wait = not reading.busy and reading.no_wait is not None
+    if reading.brpop_next or idle_without_wait or not _reserving(self):
         reading.brpop_next = False
         # kombu 5.5 defaults to a 1 s BRPOP, 5.6 on to the channel's brpop_timeout
         _KOMBU_BRPOP_START(self) if timeout is None else _KOMBU_BRPOP_START(self, timeout)
@@ -238,9 +239,6 @@ def _brpop_start(self: Any, timeout: Any = None) -> None:
     if not queues:
         return
     if not reading.busy:
-        if reading.no_wait is not None:
-            _KOMBU_BRPOP_START(self) if timeout is None else _KOMBU_BRPOP_START(self, timeout)
-            return
         # Wakes on the first queue's unprioritised list, which holds what producers send;
         # other lists are read by the script after each wait, every brpop_timeout at most.
         if timeout is None:
@@ -270,7 +268,7 @@ def _brpop_start(self: Any, timeout: Any = None) -> None:
     self.client.connection.send_command(*command)
 
 
-def _read_wait(self: Any, **options: Any) -> bool:
+def _read_wait(self: Any, **options: Any) -> NoReturn:
     """The reply to a wait: a message is queued (it stays where it was) or the wait timed
     out. Either way the script reads next; the item in the reply is not needed, and a large
     one is dropped from the socket unread (on a plain socket; TLS replies are parsed)."""
@@ -385,19 +383,15 @@ def _requeue_aside(self: Any, sent: reserve.Request, reserved: reserve.Reserved)
 
 def _guarded_brpop_read(self: Any, **options: Any) -> bool:
     """kombu's ``Channel._brpop_read`` with the decoding of the item guarded; or the
-    reserve script's reply, when that was sent instead (``_brpop_start``)."""
+    reserve script's or a wait's reply, when that was sent instead (``_brpop_start``)."""
     reading = _reading(self)
     sent, reading.pending = reading.pending, None
     if sent is not None:
         return _read_reserved(self, sent, **options)
-    if reading.waiting:
-        reading.waiting = False
-        try:
-            return _read_wait(self, **options)
-        finally:
-            self._in_poll = None
-            _flush_reauth(self)
     try:
+        if reading.waiting:
+            reading.waiting = False
+            _read_wait(self, **options)
         guard = oversize.guard_of(self)
         if guard is not None and oversize.take_reply(self, self.client.connection, guard):
             reading.busy = True  # an oversize item, set aside unread: more may be queued
