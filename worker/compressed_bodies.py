@@ -117,7 +117,7 @@ def install(max_message_bytes: int) -> None:
         messages.ZSTD: _zstd(max_message_bytes),
     }
     for content_type in compression.encoders():  # type: ignore[no-untyped-call]
-        encode = compression.get_encoder(content_type)  # type: ignore[no-untyped-call]
+        encode, _ = compression.get_encoder(content_type)  # type: ignore[no-untyped-call]
         decode = bounded.pop(content_type, None) or _refuse(content_type)
         compression.register(encode, decode, content_type)  # type: ignore[no-untyped-call]
     if messages.ZSTD in bounded:  # kombu has no zstd module: ours, on zstandard
