@@ -28,6 +28,9 @@ COMPRESS: dict[str, Callable[[bytes], bytes]] = {
 }
 
 
+_ZSTD_DECLARED = zstandard.ZstdCompressor(write_content_size=True).compress
+
+
 @pytest.fixture(autouse=True)
 def kombu_codecs(monkeypatch: pytest.MonkeyPatch) -> None:
     """kombu's codec tables as they were, after the test."""
@@ -51,7 +54,11 @@ def _decode(content_type: str) -> Callable[[bytes], bytes]:
 @pytest.mark.parametrize("content_type", sorted(COMPRESS))
 def test_a_body_within_the_limit_inflates_as_kombu_inflates_it(content_type: str) -> None:
     body = b'[["a checkpoint"],{"seq":1},{}]' * 1000
-    compressed = COMPRESS[content_type](body)
+    # (zstd as our producers write it, its size declared: kombu 5.5's zstandard decoder
+    # reads no other frame, so "as kombu inflates it" holds on every kombu line)
+    compressed = (
+        _ZSTD_DECLARED(body) if content_type == messages.ZSTD else COMPRESS[content_type](body)
+    )
     kombus = _decode(content_type)(compressed)
     compressed_bodies.install(max_message_bytes=LIMIT)
     assert _decode(content_type)(compressed) == kombus == body
