@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from checkpointq.store.codec import DEFAULT_MAX_DECOMPRESSED, CodecError, ValueCodec
+from checkpointq.store.codec import DEFAULT_MAX_DECOMPRESSED, ZSTD_MAGIC, CodecError, ValueCodec
 from checkpointq.store.errors import (
     CheckpointTooLarge,
     CorruptCheckpoint,
@@ -163,6 +163,9 @@ class SaveOp:
     checkpoint: Checkpoint
     seq: int | None = None
     request_id: str = ""
+    #: ``checkpoint`` as its producer encoded it (a staged save's value): stored as it is
+    #: when it fits this store's cap and budget (``CheckpointStore.encode_op``).
+    encoded: EncodedCheckpoint | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,6 +377,19 @@ class CheckpointStore(abc.ABC):
                 keep,
             )
         return EncodedCheckpoint(value=value, trimmed=len(history) - keep)
+
+    def encode_op(self, op: SaveOp) -> EncodedCheckpoint:
+        """``op``'s value: the producer's encoding when it is this store's format within its
+        history cap and budget (what ``encode`` would make of it), else ``encode``'s."""
+        given = op.encoded
+        if (
+            given is not None
+            and given.value.startswith(ZSTD_MAGIC)
+            and len(given.value) <= self.options.max_value_bytes
+            and len(op.checkpoint.conversation_history) <= self.options.history_cap
+        ):
+            return given
+        return self.encode(op.checkpoint)
 
     def decode_value(self, session_id: str, stored: bytes) -> Checkpoint:
         """A value in the store's format (``encode``'s) as a checkpoint.

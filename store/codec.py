@@ -32,6 +32,13 @@ def _zstd() -> ModuleType:
     return zstandard
 
 
+def zstd_bound(size: int) -> int:
+    """The most bytes a zstd frame of ``size`` bytes of content can take, whatever they are
+    (``ZSTD_COMPRESSBOUND`` in zstd.h): a value this size is known to fit a budget unread."""
+    small = (128 << 10) - size >> 11 if size < 128 << 10 else 0
+    return size + (size >> 8) + small
+
+
 class CodecError(ValueError):
     """The stored bytes are neither a zstd frame of JSON nor plain JSON."""
 

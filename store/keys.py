@@ -197,6 +197,11 @@ class KeySpace:
         """The session's pending record, on the broker."""
         return f"{self._internal}:pending:{session_id}"
 
+    def pending_value(self, request_id: str) -> str:
+        """A staged save's value, on the broker, named by its request (task) id: the
+        producer writes it with the message, the worker reads it and deletes it on settling."""
+        return f"{self._internal}:pending-value:{request_id}"
+
     def pending_index(self) -> str:
         """The pending records' index (session id -> deadline, ms), on the broker."""
         return f"{self._internal}:pending"

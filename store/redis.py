@@ -397,7 +397,7 @@ class RedisStore(CheckpointStore):
                 if isinstance(op, SaveOp):
                     seq = self.resolve_seq(op.seq)
                     cp = op.checkpoint
-                    encoded = self.encode(cp)
+                    encoded = self.encode_op(op)
                     staging = None
                     if len(encoded.value) >= self.stage_from_bytes:
                         staging = self._staging_key(cp.session_id)

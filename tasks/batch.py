@@ -28,6 +28,7 @@ from checkpointq.store.serde import checkpoint_from_wire, dumps_go
 from checkpointq.tasks import observers, runtime
 from checkpointq.tasks.dead_letters import Reason
 from checkpointq.tasks.messages import APPLY_BATCH, DELETE, MAX_ITEMS, SAVE, save_outcome
+from checkpointq.tasks.producer.pending import Settlement
 from checkpointq.tasks.refusals import refuse
 from checkpointq.tasks.seq import accepted_seq
 
@@ -106,7 +107,7 @@ def _settle_items(rt: runtime.Runtime, items: list[Any], outcomes: list[Outcome 
     """Remove the settled items' pending records, in one call to the broker."""
     if rt.pending is None:
         return
-    settled: list[tuple[str, int]] = []
+    settled: list[Settlement] = []
     for item, outcome in zip(items, outcomes, strict=True):
         seq = _seq(item.get("seq")) if isinstance(item, dict) else None
         if outcome is None or seq is None:
@@ -117,7 +118,7 @@ def _settle_items(rt: runtime.Runtime, items: list[Any], outcomes: list[Outcome 
             key = "sessionId" if item.get("op") == "save" else "session_id"
             session_id = target.get(key) if isinstance(target, dict) else None
         if isinstance(session_id, str) and session_id:
-            settled.append((session_id, seq))
+            settled.append(Settlement(session_id, seq))
     rt.pending.settle(settled)
 
 

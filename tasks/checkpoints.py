@@ -3,6 +3,7 @@
 Task names are the message contract (``checkpointq.tasks.messages``, docs/protocol.md):
 
     checkpoint.save(checkpoint: object, seq: int | None = None)
+    checkpoint.save_staged(session_id: str, seq: int, trimmed: int = 0)   (tasks/staged.py)
     checkpoint.delete(session_id: str, seq: int | None = None)
     checkpoint.refresh(session_id: str)
     checkpoint.expire_stale()
@@ -31,11 +32,13 @@ from typing import Any, NoReturn
 
 from celery import Celery, Task
 from celery.exceptions import Reject
+from redis.exceptions import RedisError
 
+from checkpointq.store.base import SaveResult
 from checkpointq.store.errors import InvalidInput, StoreUnavailable
 from checkpointq.store.model import validate_session_id
 from checkpointq.store.serde import checkpoint_from_wire
-from checkpointq.tasks import batch, messages, observers, runtime
+from checkpointq.tasks import batch, messages, observers, runtime, staged
 from checkpointq.tasks.dead_letters import Reason
 from checkpointq.tasks.messages import (
     DELETE,
@@ -43,9 +46,11 @@ from checkpointq.tasks.messages import (
     RECONCILE,
     REFRESH,
     SAVE,
+    SAVE_STAGED,
     requested_seq,
     save_outcome,
 )
+from checkpointq.tasks.producer.pending import Settlement
 from checkpointq.tasks.reconcile import reconcile_slice
 from checkpointq.tasks.refusals import refuse
 from checkpointq.tasks.seq import accepted_seq
@@ -66,6 +71,26 @@ def save(task: Task, checkpoint: object, seq: int | None = None) -> Outcome:
     # The task id names the request in the fence: its producer learns from it whether its
     # own save is the one applied (docs/protocol.md).
     return save_outcome(runtime.current().store.save(cp, seq, task.request.id or ""))
+
+
+def save_staged(task: Task, session_id: object, seq: object, trimmed: object = 0) -> Outcome:
+    """Apply a save whose value its producer staged on the broker (``tasks/staged.py``)."""
+    rt = runtime.current()
+    request = staged.request(session_id, seq, trimmed, task.request.id or "")
+    try:
+        (value,) = staged.fetch(rt.pending, [request.request_id], rt.max_message_bytes)
+    except RedisError as exc:
+        raise StoreUnavailable(f"could not read the staged value from the broker: {exc}") from exc
+    if value is None:
+        if staged.settled_before(rt.store, request):
+            return {"outcome": "stale", "session_id": request.session_id, "seq": request.seq}
+        raise staged.lost(request)
+    staged.check_size(request, value, rt.max_message_bytes)
+    (result,) = rt.store.apply_batch([staged.save_op(rt.store, request, value)])
+    if isinstance(result, InvalidInput):
+        raise result
+    assert isinstance(result, SaveResult)  # a save's result, or its refusal above
+    return save_outcome(result)
 
 
 def delete(task: Task, session_id: object, seq: int | None = None) -> Outcome:
@@ -155,10 +180,11 @@ def _dead_letter(
 ) -> Outcome:
     """Refuse the request (``refusals.refuse``: recorded, then observed)."""
     label = observers.task_label(task.name)
+    name, args, kwargs = _as_sent(task, args, kwargs)
     entry = refuse(
         kind,
         reason,
-        task=task.name,
+        task=name,
         task_id=task.request.id,
         args=list(args),
         kwargs=dict(kwargs),
@@ -169,6 +195,29 @@ def _dead_letter(
         seq=requested_seq(args, kwargs) if label in ("save", "delete") else None,
     )
     return {"outcome": "dead_lettered", "kind": kind.value, "entry": entry}
+
+
+def _as_sent(
+    task: Task, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+    """The request a dead letter keeps: a staged save as the plain ``checkpoint.save`` of
+    its staged value (so that it replays with its checkpoint, whose staged copy goes when
+    the request settles), every other request as it came."""
+    if task.name != SAVE_STAGED:
+        return task.name, args, kwargs
+    rt = runtime.current()
+    seq = requested_seq(args, kwargs) if args else kwargs.get("seq")
+    limit = rt.max_message_bytes
+    try:
+        (value,) = staged.fetch(rt.pending, [task.request.id], limit) if task.request.id else [None]
+    except RedisError as exc:
+        # Retried as any dead letter that could not be written: never one without its value.
+        raise StoreUnavailable(f"could not read the staged value from the broker: {exc}") from exc
+    checkpoint = None if value is None or len(value) > limit else staged.expanded(rt.store, value)
+    if checkpoint is None:
+        return task.name, args, kwargs
+    task.request.checkpointq_staged_kept = True  # the value may go: its dead letter has it
+    return SAVE, tuple(checkpoint), {"seq": seq}
 
 
 def _observe(
@@ -204,17 +253,25 @@ def _observe(
 _SETTLED = frozenset({"applied", "stale", "deleted", "dead_lettered"})
 
 
+#: The tasks whose requests our producers write pending records for.
+_RECORDED = frozenset({SAVE, SAVE_STAGED, DELETE})
+
+
 def _settle_record(
-    task: str, outcome: Outcome, args: tuple[Any, ...], kwargs: dict[str, Any]
+    task: str,
+    outcome: Outcome,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    staged_id: str = "",
 ) -> None:
     """Remove a settled save's or delete's pending record (and older ones), one call to
     the broker (``pending.Settler``; a batch settles its items itself)."""
     settler = runtime.current().pending
-    if settler is None or task not in (SAVE, DELETE) or outcome.get("outcome") not in _SETTLED:
+    if settler is None or task not in _RECORDED or outcome.get("outcome") not in _SETTLED:
         return
     seq = outcome.get("seq") if outcome.get("outcome") != "dead_lettered" else None
     seq = seq if isinstance(seq, int) else requested_seq(args, kwargs)
-    target = args[0] if args else None
+    target = args[0] if args else kwargs.get("session_id")
     session_id = target.get("sessionId") if isinstance(target, dict) else target
     if seq is None or not isinstance(session_id, str):
         return
@@ -222,7 +279,8 @@ def _settle_record(
         validate_session_id(session_id)
     except InvalidInput:
         return  # no producer of ours wrote a record for it
-    settler.settle([(session_id, seq)])
+    # A staged save's value goes too: applied, superseded, or kept in its dead letter.
+    settler.settle([Settlement(session_id, seq, staged_id)])
 
 
 def _keep_raw_body_to_ourselves(request: Any) -> None:
@@ -286,8 +344,16 @@ class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
             reason = f"{type(exc).__name__}: {exc}"
             outcome = _dead_letter(self, Reason.FAILED, reason, args, kwargs)
         _observe(self, outcome, started, args, kwargs)
-        _settle_record(self.name, outcome, args, kwargs)
+        _settle_record(self.name, outcome, args, kwargs, self._staged_value_id(outcome))
         return outcome
+
+    def _staged_value_id(self, outcome: Outcome) -> str:
+        """A settled staged save's request id, whose value then goes: unless it was
+        dead-lettered without it (the value was missing, oversize or undecodable)."""
+        if self.name != SAVE_STAGED or not self.request.id:
+            return ""
+        kept = getattr(self.request, "checkpointq_staged_kept", False)
+        return self.request.id if outcome.get("outcome") != "dead_lettered" or kept else ""
 
     def _ride_out(
         self, exc: StoreUnavailable, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -358,5 +424,10 @@ def register(app: Celery) -> None:
         app.task(name=name, base=CheckpointTask)(fn)
     # Bound: saves and deletes record their task id in the fence; a batch dead-letters its
     # bad items itself, under the batch's task id.
-    for name, bound in ((SAVE, save), (DELETE, delete), (messages.APPLY_BATCH, batch.apply_batch)):
+    for name, bound in (
+        (SAVE, save),
+        (SAVE_STAGED, save_staged),
+        (DELETE, delete),
+        (messages.APPLY_BATCH, batch.apply_batch),
+    ):
         app.task(name=name, base=CheckpointTask, bind=True)(bound)

@@ -21,22 +21,26 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from checkpointq.store.base import BatchOp, DeleteOp, SaveOp
 from checkpointq.store.errors import InvalidInput
 from checkpointq.store.model import validate_session_id
 from checkpointq.store.serde import checkpoint_from_wire
-from checkpointq.tasks import batch, messages, observers, runtime
+from checkpointq.tasks import batch, messages, observers, runtime, staged
 from checkpointq.tasks.checkpoints import outcomes
 from checkpointq.tasks.item_signals import ItemSignals, wanted
+from checkpointq.tasks.producer.pending import Settlement
 from checkpointq.tasks.seq import accepted_seq
+from checkpointq.tasks.staged import StagedSave
 
 #: One request as the main process hands it over: (task name, task id, protocol 2 body,
 #: message headers, delivery_info).
 Request = tuple[str, str, bytes, dict[str, Any], dict[str, Any]]
 
-#: A request now durable, as the main process needs it to settle its pending record:
-#: (session id, the seq it was applied or superseded at).
-Settled = tuple[str, int]
+#: A request now durable, as the main process needs it to settle its pending record: its
+#: session id, the seq it was applied or superseded at, and a staged save's request id.
+Settled = Settlement
 
 _NAMES = {messages.SAVE: "checkpoint", messages.DELETE: "session_id"}
 
@@ -65,24 +69,77 @@ def _parse(task: str, task_id: str, body: bytes) -> tuple[BatchOp, list[Any], di
     return DeleteOp(validate_session_id(args[0]), seq, task_id), args, kwargs
 
 
+def _parse_staged(task_id: str, body: bytes) -> tuple[StagedSave, list[Any], dict[str, Any]]:
+    parsed = messages.parse_body(body)
+    if parsed is None:
+        raise InvalidInput("not a protocol 2 save_staged body")
+    args, kwargs = parsed
+    return staged.parse(args, kwargs, task_id), args, kwargs
+
+
+#: A request that parsed: its position in the group, what it asks, its arguments.
+_Parsed = tuple[int, BatchOp | StagedSave, list[Any], dict[str, Any]]
+
+
+def _parse_all(requests: list[Request]) -> list[_Parsed]:
+    parsed: list[_Parsed] = []
+    for position, (task, task_id, body, *_) in enumerate(requests):
+        try:
+            if task == messages.SAVE_STAGED:
+                parsed.append((position, *_parse_staged(task_id, body)))
+            else:
+                parsed.append((position, *_parse(task, task_id, body)))
+        except InvalidInput:
+            continue
+    return parsed
+
+
+def _resolve(
+    rt: runtime.Runtime, parsed: list[_Parsed]
+) -> list[tuple[int, BatchOp, list[Any], dict[str, Any]]]:
+    """The parsed requests as store operations, staged saves with their values (read in one
+    round trip); a staged save without a usable value is left out, to the task path."""
+    stage = [p[1] for p in parsed if isinstance(p[1], StagedSave)]
+    limit = rt.max_message_bytes
+    try:
+        values = iter(staged.fetch(rt.pending, [s.request_id for s in stage], limit))
+    except RedisError:
+        values = iter([None] * len(stage))  # the task path retries them
+    resolved: list[tuple[int, BatchOp, list[Any], dict[str, Any]]] = []
+    for position, request, args, kwargs in parsed:
+        if isinstance(request, StagedSave):
+            value = next(values)
+            if value is None:
+                continue
+            try:
+                staged.check_size(request, value, limit)
+                resolved.append((position, staged.save_op(rt.store, request, value), args, kwargs))
+            except InvalidInput:
+                continue
+        else:
+            resolved.append((position, request, args, kwargs))
+    return resolved
+
+
 def apply_requests(requests: list[Request]) -> list[Settled | None]:
     """Apply what parses in one pipelined round trip; for each request now durable its
     session id and seq (the main process settles its pending record with the ack), None
     for each one left to the task path.
 
+    Staged saves' values are read first, in one more round trip to the broker; one whose
+    value is not there (a redelivery, or a lost value) is left to the task path, which
+    tells the two apart.
+
     Raises:
         StoreUnavailable: the store could not be reached (nothing is reported done).
     """
     started = time.perf_counter()
+    rt = runtime.current()
     ops: list[BatchOp] = []
     positions: list[int] = []
     #: Each parsed request's arguments, kept only if a signal handler listens.
     arguments: list[tuple[list[Any], dict[str, Any]]] | None = [] if wanted() else None
-    for position, (task, task_id, body, *_) in enumerate(requests):
-        try:
-            op, args, kwargs = _parse(task, task_id, body)
-        except InvalidInput:
-            continue
+    for position, op, args, kwargs in _resolve(rt, _parse_all(requests)):
         ops.append(op)
         positions.append(position)
         if arguments is not None:
@@ -90,15 +147,19 @@ def apply_requests(requests: list[Request]) -> list[Settled | None]:
     done: list[Settled | None] = [None] * len(requests)
     if not ops:
         return done
-    results = runtime.current().store.apply_batch(ops)
+    results = rt.store.apply_batch(ops)
     seconds = (time.perf_counter() - started) / len(ops)
     for index, (position, op, result) in enumerate(zip(positions, ops, results, strict=True)):
         if isinstance(result, InvalidInput):
             continue
         outcome = batch.item_outcome(op, result)
-        # A request sent without a seq was stamped by the store: 0 settles no record.
-        done[position] = (str(outcome["session_id"]), int(outcome.get("seq") or 0))
         task, task_id = requests[position][:2]
+        # A request sent without a seq was stamped by the store: 0 settles no record.
+        done[position] = Settlement(
+            str(outcome["session_id"]),
+            int(outcome.get("seq") or 0),
+            task_id if task == messages.SAVE_STAGED else "",
+        )
         _observe(task, task_id, outcome, op.seq, seconds)
         if arguments is not None:
             args, kwargs = arguments[index]

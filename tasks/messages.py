@@ -5,6 +5,7 @@ producers, tasks, consumer and probes use to build and read it. A protocol 2 mes
 the JSON array ``[args, kwargs, embed]``:
 
     checkpoint.save(checkpoint: object, seq: int | None = None)
+    checkpoint.save_staged(session_id: str, seq: int, trimmed: int = 0)
     checkpoint.delete(session_id: str, seq: int | None = None)
     checkpoint.refresh(session_id: str)
     checkpoint.expire_stale()
@@ -29,6 +30,9 @@ from pybase64 import b64decode
 from checkpointq.store.base import SaveResult
 
 SAVE = "checkpoint.save"
+#: A save whose value the producer staged on the broker (docs/protocol.md, "Staged saves"):
+#: the message names the request, the value travels to the broker once.
+SAVE_STAGED = "checkpoint.save_staged"
 DELETE = "checkpoint.delete"
 REFRESH = "checkpoint.refresh"
 EXPIRE_STALE = "checkpoint.expire_stale"
@@ -74,6 +78,12 @@ def save_body(document: bytes, seq: int) -> bytes:
     """The body of ``checkpoint.save(<document>, seq=seq)``; ``document`` is checkpoint JSON."""
     prefix, suffix = save_body_framing(seq)
     return b"".join((prefix, document, suffix))
+
+
+def save_staged_body(session_id_json: bytes, seq: int, trimmed: int = 0) -> bytes:
+    """The body of ``checkpoint.save_staged(<session id>, seq=seq[, trimmed=trimmed])``."""
+    kwargs = b'{"seq":%d,"trimmed":%d}' % (seq, trimmed) if trimmed else seq_kwargs(seq)
+    return body(b"[" + session_id_json + b"]", kwargs)
 
 
 def save_body_framing(seq: int) -> tuple[bytes, bytes]:

@@ -30,6 +30,8 @@ TASK_LABELS = frozenset({"save", "delete", "refresh", "expire_stale", "reconcile
 def task_label(name: str | None) -> str:
     """``checkpoint.save`` -> ``save``; anything that is not one of our tasks -> ``other``."""
     short = (name or "").removeprefix("checkpoint.")
+    if short == "save_staged":  # a save, however its value travelled
+        return "save"
     return short if short in TASK_LABELS else OTHER_TASK
 
 

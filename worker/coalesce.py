@@ -49,7 +49,7 @@ _SETTLE_SOURCE = pending_records.settle_source()
 _SETTLE_SHA = hashlib.sha1(_SETTLE_SOURCE.encode(), usedforsecurity=False).hexdigest()
 
 #: Tasks whose single requests are grouped.
-COALESCED = (messages.SAVE, messages.DELETE)
+COALESCED = (messages.SAVE, messages.SAVE_STAGED, messages.DELETE)
 
 Handler = Callable[..., Any]
 
@@ -277,6 +277,8 @@ class Coalescer:
             redis_errors.RedisError,
         ) as exc:
             self._leave_unacknowledged(channel, tags, exc)
+            if settled:
+                lost_settles.lost.lost_records(keys, args)
             return
         for pending, tag in zip(applied, tags, strict=True):
             kombu_hooks.settled_as_acked(qos, pending.message, tag)

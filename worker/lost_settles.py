@@ -24,10 +24,13 @@ from typing import Any
 from celery import Celery, bootsteps
 from redis import exceptions as redis_errors
 
+from checkpointq.tasks.producer.pending import settle_source
 from checkpointq.worker import reserve
 from checkpointq.worker.hooks import kombu as kombu_hooks
 
 logger = logging.getLogger(__name__)
+
+_SETTLE_SOURCE = settle_source()
 
 #: Seconds between two attempts while anything lost is remembered.
 RETRY_SECONDS = 1.0
@@ -50,14 +53,28 @@ class LostSettles:
         self._closed: list[Any] = []
         #: Scores (the worker's ``time()``) of reservations sent whose reply was not read.
         self.reservations: dict[str, None] = {}
+        #: settle.lua calls (KEYS, ARGV) that rode acks the broker did not take: the pending
+        #: records and staged values of requests applied meanwhile. Settled again with the
+        #: acks; else a staged value would wait out its lifetime once the acks went through.
+        self.records: list[tuple[list[str], list[Any]]] = []
 
     def __bool__(self) -> bool:
         return bool(
-            self.acks or self.requeues or self.restores or self.reservations or self._closed
+            self.acks
+            or self.requeues
+            or self.restores
+            or self.reservations
+            or self._closed
+            or self.records
         )
 
     def lost_settle(self, tag: Any, *, requeue: bool) -> None:
         _remember(self.requeues if requeue else self.acks, str(tag))
+
+    def lost_records(self, keys: list[str], args: list[Any]) -> None:
+        """settle.lua's call for requests whose acks were lost with it."""
+        self.records.append((keys, args))
+        del self.records[:-MAX_REMEMBERED]
 
     def restarting(self, qos: Any) -> None:
         """The consumer restarts: kombu restores what ``qos`` holds as it closes the channel,
@@ -84,6 +101,7 @@ class LostSettles:
         try:
             with channel.conn_or_acquire() as client:
                 self._ack_again(channel, client)
+                self._settle_records_again(client)
                 self._requeue_again(channel, client)
                 self._restore_again(channel, client)
                 self._hand_back(channel, client)
@@ -101,6 +119,12 @@ class LostSettles:
         for tag in tags:
             del self.acks[tag]
         logger.info("%d lost acks settled again after the broker took writes again", len(tags))
+
+    def _settle_records_again(self, client: Any) -> None:
+        while self.records:
+            keys, args = self.records[0]
+            client.eval(_SETTLE_SOURCE, len(keys), *keys, *args)
+            del self.records[0]
 
     def _requeue_again(self, channel: Any, client: Any) -> None:
         for tag in list(self.requeues):

@@ -84,6 +84,11 @@ class Settings(BaseSettings):
     #: consumer decodes it whose kombu has a zstd codec (kombu 5.5/5.6 with zstandard, 5.7
     #: with backports.zstd or Python 3.14; the worker extra brings it). False: plain JSON.
     compress_messages: bool = True
+    #: Whether our Python producers send a save as ``checkpoint.save_staged`` on a Redis
+    #: broker: the stored value goes to the broker once, under the request's id, beside a
+    #: message that names it (default True; docs/protocol.md, "Staged saves"). Workers must
+    #: know the task: upgrade them first. False: the checkpoint travels in the message.
+    stage_saves: bool = True
     #: How far a request's ``seq`` (the producer's clock, µs) may be ahead of the worker's
     #: clock; further ahead, it is dead-lettered, since it would make every later request
     #: for its session stale until the clocks meet (tasks/seq.py).

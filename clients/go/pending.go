@@ -24,13 +24,13 @@ import (
 var publishScript string
 
 // loadPendingScript reads the record, the epoch, the value and the fence in one call, when
-// the broker is the store.
+// the broker is the store; readPendingScript reads the record and the epoch on a broker that
+// is not the store. Both are tasks/lua's, byte for byte (a test compares them), and both
+// read a staged save's value from the key its record names.
 //
 //go:embed lua/load_pending.lua
 var loadPendingScript string
 
-// readPendingScript reads the record and the epoch on a broker that is not the store.
-//
 //go:embed lua/read_pending.lua
 var readPendingScript string
 

@@ -341,13 +341,19 @@ func TestThePendingRecordIsTheDocumentedHash(t *testing.T) {
 	}
 }
 
-func TestPublishScriptIsTheProtocolsOwn(t *testing.T) {
-	shared, err := os.ReadFile("../../tasks/lua/publish.lua")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if string(shared) != publishScript {
-		t.Fatal("lua/publish.lua differs from tasks/lua/publish.lua: copy the file")
+func TestPendingScriptsAreTheProtocolsOwn(t *testing.T) {
+	for name, embedded := range map[string]string{
+		"publish.lua":      publishScript,
+		"load_pending.lua": loadPendingScript,
+		"read_pending.lua": readPendingScript,
+	} {
+		shared, err := os.ReadFile("../../tasks/lua/" + name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if string(shared) != embedded {
+			t.Fatalf("lua/%s differs from tasks/lua/%s: copy the file", name, name)
+		}
 	}
 }
 

@@ -3,14 +3,21 @@
 -- dead-lettered, in the round trip that acknowledges their messages.
 --
 -- KEYS[1]      the pending index: sorted set, session id -> record deadline (ms)
--- KEYS[2..]    one pending record key per settled request (<prefix>.cq:pending:<id>)
+-- KEYS[2..]    one pending record key per settled request (<prefix>.cq:pending:<id>), then
+--              the staged value key of each settled staged save
+--              (<prefix>.cq:pending-value:<request id>), deleted: its message is done
 -- ARGV[..]     two per settled request, in KEYS order: session id, seq
 -- A record goes, with its index entry, iff its seq is <= the settled request's: a higher
--- one names a newer request still on its way. An index entry whose record is gone (expired)
--- goes too, and so does every entry past its deadline.
+-- one names a newer request still on its way. A staged value goes only with its own
+-- request: an older request's message may still need its own. An index entry whose record
+-- is gone (expired) goes too, and so does every entry past its deadline.
 -- Returns the number of records removed.
 local removed = 0
-for i = 2, #KEYS do
+local records = #ARGV / 2
+for i = 2 + records, #KEYS do
+  redis.call('DEL', KEYS[i])
+end
+for i = 2, 1 + records do
   local id, seq = ARGV[2 * i - 3], tonumber(ARGV[2 * i - 2])
   local held = tonumber(redis.call('HGET', KEYS[i], 'seq'))
   if held == nil then

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import reprlib
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 
 from checkpointq.store.base import CheckpointStore, EncodedCheckpoint, Fence, StoreOptions
+from checkpointq.store.codec import zstd_bound
 from checkpointq.store.errors import InvalidInput
 from checkpointq.store.keys import KeySpace
 from checkpointq.store.model import Checkpoint, validate_session_id
@@ -42,7 +42,7 @@ from checkpointq.tasks import brokers, messages
 from checkpointq.tasks.errors import BrokerUnavailable, RequestRefused
 
 # The task names are the contract (docs/protocol.md); the client does not import the tasks.
-from checkpointq.tasks.messages import DELETE, EXPIRE_STALE, REFRESH, SAVE
+from checkpointq.tasks.messages import DELETE, EXPIRE_STALE, REFRESH, SAVE, SAVE_STAGED
 from checkpointq.tasks.producer import compressed_body, fast_publish
 from checkpointq.tasks.producer.clock import SeqClock, seq_clock
 from checkpointq.tasks.producer.outcomes import RequestOutcome, decide
@@ -69,6 +69,7 @@ class ClientSettings(Protocol):
     queue: str
     max_message_bytes: int
     compress_messages: bool
+    stage_saves: bool
     sentinel_master: str | None
     sentinel_password: str | None
 
@@ -136,6 +137,7 @@ class CheckpointClient:
         clock: SeqClock | None = None,
         key_prefix: str | None = None,
         compress_messages: bool = True,
+        stage_saves: bool = True,
     ) -> None:
         """Publish to ``broker_url``'s ``queue``; read (and wait on) ``store``.
 
@@ -152,6 +154,11 @@ class CheckpointClient:
         ``compress_messages``: on a Redis broker, send each save's body as the zstd frame
         of its JSON under kombu's ``compression`` header (``compressed_body``: made from the
         record's value, it costs no second compression); False sends the JSON itself.
+
+        ``stage_saves``: on a Redis broker, send each save as ``checkpoint.save_staged``:
+        its stored value goes to the broker once, beside a message that names it, instead
+        of in the message and again in its pending record (docs/protocol.md, "Staged
+        saves"). Workers must know that task (checkpointq 0.2 on): upgrade them first.
         """
         self._transport_options = dict(transport_options or {})
         self.clock = clock or seq_clock
@@ -159,6 +166,7 @@ class CheckpointClient:
         self.queue = queue
         self.max_message_bytes = max_message_bytes
         self.compress_messages = compress_messages
+        self.stage_saves = stage_saves
         self._display_url = redact_url(broker_url)
         self._broker_url = broker_url
         # Redis brokers: our own protocol 2 messages over a pooled connection.
@@ -233,6 +241,7 @@ class CheckpointClient:
             queue=settings.queue,
             max_message_bytes=settings.max_message_bytes,
             compress_messages=settings.compress_messages,
+            stage_saves=settings.stage_saves,
             key_prefix=settings.key_prefix,
             transport_options=brokers.transport_options(
                 settings.broker_url,
@@ -262,13 +271,16 @@ class CheckpointClient:
             InvalidInput: the request would exceed ``max_message_bytes``.
             BrokerUnavailable: the broker stayed unreachable through the publish retries.
         """
+        publisher = self._publisher
+        if publisher is not None and self.stage_saves:
+            return self._save_staged(publisher, checkpoint, after)
         cp, document, stored = self.prepare_save(checkpoint)
         seq = self.clock.next(cp.session_id, after)
         argsrepr = f"[<checkpoint {cp.session_id!r} v{cp.version}, {len(document)} bytes>]"
         kwargsrepr = f"{{'seq': {seq}}}"
-        task_id = str(uuid.uuid4())
+        task_id = fast_publish.new_id()
         record = RecordWrite(cp.session_id, seq, SAVE_OP, task_id, stored.value)
-        if (publisher := self._publisher) is not None:
+        if publisher is not None:
             # The record's value is the zstd frame of ``document`` unless the store trimmed it.
             prefix, suffix = messages.save_body_framing(seq)
             zstd_body = (
@@ -282,6 +294,45 @@ class CheckpointClient:
             body = messages.save_body(document, seq)
             self.send_encoded(SAVE, body, argsrepr, kwargsrepr, task_id=task_id)
         return Handle(task_id, SAVE, cp.session_id, seq)
+
+    def _save_staged(
+        self,
+        publisher: fast_publish.RedisPublisher,
+        checkpoint: Checkpoint | dict[str, Any],
+        after: int | None,
+    ) -> Handle:
+        """``save`` as ``checkpoint.save_staged``: the value goes to the broker once, under
+        the request's id, and the message names it (docs/protocol.md, "Staged saves")."""
+        cp, value, trimmed = self.staged_value(checkpoint)
+        seq = self.clock.next(cp.session_id, after)
+        task_id = fast_publish.new_id()
+        body = messages.save_staged_body(dumps_go(cp.session_id), seq, trimmed)
+        argsrepr = f"[<checkpoint {cp.session_id!r} v{cp.version}, staged {len(value)} bytes>]"
+        kwargsrepr = f"{{'seq': {seq}}}"
+        record = RecordWrite(cp.session_id, seq, SAVE_OP, task_id, value, staged=True)
+        publisher.publish(SAVE_STAGED, body, argsrepr, kwargsrepr, task_id, [record])
+        return Handle(task_id, SAVE, cp.session_id, seq)
+
+    def staged_value(
+        self, checkpoint: Checkpoint | dict[str, Any]
+    ) -> tuple[Checkpoint, bytes, int]:
+        """The value a staged save puts on the broker, and how many messages it trimmed: the
+        checkpoint's JSON as it is, when it is within the history cap and could not exceed
+        the stored-size budget however it compresses (the worker compresses it, as it
+        would a message's checkpoint); else the store's own ``encode`` (trimmed, zstd).
+
+        Raises:
+            InvalidCheckpoint, InvalidInput, CheckpointTooLarge: as ``prepare_save``.
+        """
+        cp, document = self.encode(checkpoint)
+        options = self.store.options
+        if (
+            len(cp.conversation_history) <= options.history_cap
+            and zstd_bound(len(document)) <= options.max_value_bytes
+        ):
+            return cp, document, 0
+        stored = self.store.encode(cp, document)
+        return cp, stored.value, stored.trimmed
 
     def prepare_save(
         self, checkpoint: Checkpoint | dict[str, Any]
@@ -319,7 +370,7 @@ class CheckpointClient:
         validate_session_id(session_id)
         seq = self.clock.next(session_id, after)
         body = messages.body(dumps_go([session_id]), messages.seq_kwargs(seq))
-        task_id = str(uuid.uuid4())
+        task_id = fast_publish.new_id()
         record = RecordWrite(session_id, seq, DELETE_OP, task_id)
         argsrepr, kwargsrepr = _brief.repr([session_id]), f"{{'seq': {seq}}}"
         self.send_encoded(DELETE, body, argsrepr, kwargsrepr, task_id=task_id, records=[record])

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from checkpointq.store.base import Fence
-from checkpointq.tasks.messages import SAVE
+from checkpointq.tasks.messages import SAVE, SAVE_STAGED
 
 APPLIED = "applied"
 SUPERSEDED = "superseded"
@@ -55,4 +55,4 @@ def decide(task: str, request_id: str, seq: int, fence: Fence | None) -> Request
 def _loses_tie(task: str, fence: Fence) -> bool:
     # At equal seq another request holds the fence: a save can never apply over it; a
     # delete applies over a save, but not over another delete.
-    return bool(fence.request_id) and (task == SAVE or fence.deleted)
+    return bool(fence.request_id) and (task in (SAVE, SAVE_STAGED) or fence.deleted)

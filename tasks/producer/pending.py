@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from redis import exceptions as redis_errors
 
@@ -43,21 +43,31 @@ _SCRIPTS = "checkpointq.tasks"
 
 #: Record ops, as publish.lua stores them.
 SAVE_OP, DELETE_OP = "save", "delete"
+#: What publish.lua is told for a staged save (it stores the record as a save).
+STAGED_OP = "staged"
 
 #: The record fields a load reads, in load_pending.lua's order.
 _RECORD_FIELDS = ("seq", "op", "req", "value")
 
 
+#: How long a staged value waits for the script that pushes its message (they go in one
+#: write, so only a client that dies between them leaves one behind, for this long); the
+#: script then gives it the record's lifetime.
+STAGED_VALUE_WAIT_MS = 30_000
+
+
 @dataclass(frozen=True, slots=True)
 class RecordWrite:
     """One request's record as a publish writes it: ``value`` is a save's stored value (the
-    store's ``encode``), empty for a delete."""
+    store's ``encode``), empty for a delete. ``staged``: a ``checkpoint.save_staged``
+    request, whose value goes to its own key on the broker and not into the message."""
 
     session_id: str
     seq: int
     op: str
     request_id: str
     value: bytes = b""
+    staged: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,10 +165,14 @@ class PendingRecords:
         self.keys = keys
         self.ttl_ms = max(1, int(ttl_seconds * 1000))
         self.epochs = EpochWatch()
+        self._index_key, self._epoch_key = keys.pending_index(), keys.pending_epoch()
         self._publish_source = script_source("publish", _SCRIPTS)
         self._publish_sha = hashlib.sha1(
             self._publish_source.encode(), usedforsecurity=False
         ).hexdigest()
+        # A staged save's value is read from the key its record names, so a record is read
+        # by a script: read_pending.lua, or load_pending.lua with the store's part.
+        self._read = broker.register_script(script_source("read_pending", _SCRIPTS))
         #: Broker and store are one Redis: a load reads both in one script call.
         self.one_redis = isinstance(store, RedisStore) and same_redis(broker, store.client)
         self._load = (
@@ -178,20 +192,34 @@ class PendingRecords:
         Raises:
             redis.RedisError: as redis-py raises it (the publisher retries connection errors).
         """
-        keys = [queue, self.keys.pending_index(), self.keys.pending_epoch()]
-        args: list[Any] = [message, self.ttl_ms, uuid.uuid4().hex]
+        keys = [queue, self._index_key, self._epoch_key]
+        # A fresh token per call, cheaply: the epoch only when the broker has none.
+        args: list[Any] = [message, self.ttl_ms, os.urandom(16).hex()]
+        # Staged values: SET just before the script, which checks they are there, gives them
+        # the records' lifetime and names them in the records (docs/protocol.md, "Staged
+        # saves"). They never pass through Lua, which copies every argument.
+        stage: list[tuple[Any, ...]] = []
+        value_keys: list[str] = []
         for record in records:
             keys.append(self.keys.pending(record.session_id))
-            args += [record.session_id, record.seq, record.op, record.request_id, record.value]
-        (epoch,) = redis_hooks.round_trip(
-            self.broker, [("EVALSHA", self._publish_sha, len(keys), *keys, *args)]
+            if record.staged:
+                value_keys.append(value_key := self.keys.pending_value(record.request_id))
+                stage.append(("SET", value_key, record.value, "PX", STAGED_VALUE_WAIT_MS))
+                args += [record.session_id, record.seq, STAGED_OP, record.request_id, b""]
+            else:
+                args += [record.session_id, record.seq, record.op, record.request_id, record.value]
+        keys += value_keys
+        *staged, epoch = redis_hooks.round_trip(
+            self.broker, [*stage, ("EVALSHA", self._publish_sha, len(keys), *keys, *args)]
         )
         if isinstance(epoch, redis_errors.NoScriptError):
-            (epoch,) = redis_hooks.round_trip(
-                self.broker, [("EVAL", self._publish_source, len(keys), *keys, *args)]
+            *staged, epoch = redis_hooks.round_trip(
+                self.broker, [*stage, ("EVAL", self._publish_source, len(keys), *keys, *args)]
             )
-        if isinstance(epoch, Exception):
-            raise epoch
+        # A refused staged SET (OOM, READONLY) is the cause; the script then refused the push.
+        for reply in (*staged, epoch):
+            if isinstance(reply, Exception):
+                raise reply
         self.epochs.observe(epoch)
 
     # -- reads -----------------------------------------------------------------------------
@@ -203,10 +231,9 @@ class PendingRecords:
             BrokerUnavailable: the broker did not answer (the store alone could be stale).
         """
         try:
-            pipe = self.broker.pipeline(transaction=False)
-            pipe.hmget(self.keys.pending(session_id), *_RECORD_FIELDS)
-            pipe.get(self.keys.pending_epoch())
-            fields, epoch = pipe.execute()
+            *fields, epoch = self._read(
+                keys=[self.keys.pending(session_id), self.keys.pending_epoch()], args=[]
+            )
         except redis_errors.RedisError as exc:
             raise self._unavailable(f"the load of {session_id!r}", exc) from exc
         self.epochs.observe(epoch)
@@ -311,15 +338,23 @@ class PendingRecords:
         )
 
 
-def settle_command(
-    keys: KeySpace, settled: Sequence[tuple[str, int]]
-) -> tuple[list[str], list[Any]]:
-    """settle.lua's KEYS and ARGV for requests ``settled`` as (session id, seq)."""
+class Settlement(NamedTuple):
+    """A request the worker is done with (applied, superseded or dead-lettered)."""
+
+    session_id: str
+    seq: int
+    #: A staged save's request id: its staged value goes too ("" for any other request).
+    staged: str = ""
+
+
+def settle_command(keys: KeySpace, settled: Sequence[Settlement]) -> tuple[list[str], list[Any]]:
+    """settle.lua's KEYS and ARGV for ``settled`` requests."""
     script_keys = [keys.pending_index()]
     args: list[Any] = []
-    for session_id, seq in settled:
+    for session_id, seq, _ in settled:
         script_keys.append(keys.pending(session_id))
         args += [session_id, seq]
+    script_keys += [keys.pending_value(staged) for *_, staged in settled if staged]
     return script_keys, args
 
 
@@ -337,8 +372,8 @@ class Settler:
         self.keys = keys
         self._script = broker.register_script(settle_source())
 
-    def settle(self, settled: Sequence[tuple[str, int]]) -> None:
-        """Remove the records of ``settled`` (session id, seq) requests and older ones.
+    def settle(self, settled: Sequence[Settlement]) -> None:
+        """Remove the records of ``settled`` requests and older ones, and their staged values.
 
         Never raises: a record left behind is only read until it expires or the session's
         next request settles it, and loads order it below the store's fence anyway."""

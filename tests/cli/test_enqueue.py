@@ -19,8 +19,19 @@ def _queued(client: redis.Redis) -> list[dict[str, Any]]:
     for raw in reversed(client.lrange("checkpoints", 0, -1)):
         envelope = json.loads(raw)
         body = json.loads(envelope_body(envelope))
-        messages.append({"task": envelope["headers"]["task"], "args": body[0], "kwargs": body[1]})
+        headers = envelope["headers"]
+        messages.append(
+            {"task": headers["task"], "id": headers["id"], "args": body[0], "kwargs": body[1]}
+        )
     return messages
+
+
+def _saved(client: redis.Redis, message: dict[str, Any]) -> Any:
+    """The checkpoint a queued save carries: a staged save's value, on the broker."""
+    assert message["task"] == "checkpoint.save_staged"
+    value = client.get(KeySpace().pending_value(message["id"]))
+    assert value is not None
+    return json.loads(value)
 
 
 def test_save_from_stdin_and_delete_enqueue_fenced_requests(
@@ -37,8 +48,8 @@ def test_save_from_stdin_and_delete_enqueue_fenced_requests(
     save_out, delete_out = json.loads(saved.stdout), json.loads(deleted.stdout)
     assert save_out["durable"] is False and delete_out["task"] == "checkpoint.delete"
     queued = _queued(redis_client)
-    assert [m["task"] for m in queued] == ["checkpoint.save", "checkpoint.delete"]
-    assert queued[0]["args"][0]["sessionId"] == "s-1"
+    assert [m["task"] for m in queued] == ["checkpoint.save_staged", "checkpoint.delete"]
+    assert queued[0]["args"] == ["s-1"] and _saved(redis_client, queued[0])["sessionId"] == "s-1"
     assert queued[0]["kwargs"]["seq"] == save_out["seq"] < delete_out["seq"]
 
 
@@ -50,7 +61,7 @@ def test_save_reads_a_file_argument(cli_env: Cli, redis_client: redis.Redis) -> 
 
     assert result.exit_code == 0, result.output
     assert "enqueued save of session 'from-file'" in result.stdout
-    assert _queued(redis_client)[0]["args"][0]["sessionId"] == "from-file"
+    assert _saved(redis_client, _queued(redis_client)[0])["sessionId"] == "from-file"
 
 
 def test_save_wait_without_a_worker_times_out_with_one_helpful_line(cli_env: Cli) -> None:

@@ -52,11 +52,15 @@ def _kombu_body(message: dict[str, Any]) -> Any:
 def test_fast_message_has_the_shape_of_a_send_task_message(
     redis_server: RedisServer, redis_client: redis.Redis, compressed: bool
 ) -> None:
-    # Given one save published by our fast path and the same save by Celery's send_task,
-    # both with zstd compression or both without
+    # Given one save published by our fast path, carrying its checkpoint, and the same save
+    # by Celery's send_task, both with zstd compression or both without
     checkpoint = make_checkpoint("shape", version=4)
     with CheckpointClient(
-        redis_server.url, InMemoryStore(), queue=QUEUE, compress_messages=compressed
+        redis_server.url,
+        InMemoryStore(),
+        queue=QUEUE,
+        compress_messages=compressed,
+        stage_saves=False,
     ) as client:
         handle = client.save(checkpoint)
         stock_id = (
@@ -101,7 +105,7 @@ def test_a_trimmed_save_goes_uncompressed_with_its_whole_history(
     # Given a store that keeps 5 messages, and a save of 8: its record holds the trimmed
     # value, so no frame of the message's JSON exists to reuse
     store = InMemoryStore(StoreOptions(history_cap=5))
-    with CheckpointClient(redis_server.url, store, queue=QUEUE) as client:
+    with CheckpointClient(redis_server.url, store, queue=QUEUE, stage_saves=False) as client:
         client.save(make_checkpoint("trimmed", version=2, messages=8))
     # Then the message is plain JSON carrying all 8, for the worker to trim as it does
     (message,) = _messages(redis_client)
@@ -279,7 +283,8 @@ def test_publish_signals_run_as_in_celerys_publish_and_their_headers_reach_the_m
     try:
         # When one save goes by the fast path and one by Celery's send_task
         checkpoint = make_checkpoint("hooks", version=2)
-        with CheckpointClient(redis_server.url, InMemoryStore(), queue=QUEUE) as client:
+        store = InMemoryStore()
+        with CheckpointClient(redis_server.url, store, queue=QUEUE, stage_saves=False) as client:
             handle = client.save(checkpoint)
             wire = checkpoint_to_wire(checkpoint)
             client._send_task(SAVE, [wire], {"seq": handle.seq}, "[...]", "{}")

@@ -16,7 +16,12 @@ from checkpointq.store.keys import KeySpace
 from checkpointq.tasks.errors import BrokerUnavailable
 from checkpointq.tasks.producer.batching import BatchingClient
 from checkpointq.tasks.producer.client import CheckpointClient
-from checkpointq.tasks.producer.pending import EpochWatch, settle_command, settle_source
+from checkpointq.tasks.producer.pending import (
+    EpochWatch,
+    Settlement,
+    settle_command,
+    settle_source,
+)
 from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import RedisServer, free_port
 
@@ -147,14 +152,22 @@ def test_the_store_answers_once_it_holds_the_records_request_or_a_newer_one(
     assert b.load("s") is None and b.list() == []
 
 
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "in-message"])
 def test_the_record_holds_the_value_exactly_as_the_store_will(
-    one_redis: tuple[CheckpointClient, CheckpointClient], redis_client: redis.Redis
+    one_redis: tuple[CheckpointClient, CheckpointClient], redis_client: redis.Redis, staged: bool
 ) -> None:
     a, _ = one_redis
+    a.stage_saves = staged
     checkpoint = make_checkpoint("s", version=3, messages=150)  # over the 100-message cap
     handle = a.save(checkpoint)
     record = redis_client.hgetall(KEYS.pending("s"))
-    assert record[b"value"] == a.store.encode(checkpoint).value
+    if staged:  # the value waits under the request's id; the record names it
+        assert record[b"staged"] == KEYS.pending_value(handle.task_id).encode()
+        assert b"value" not in record
+        value = redis_client.get(KEYS.pending_value(handle.task_id))
+    else:
+        value = record[b"value"]
+    assert value == a.store.encode(checkpoint).value
     assert record[b"seq"] == str(handle.seq).encode() and record[b"op"] == b"save"
     assert record[b"req"] == handle.task_id.encode()
     loaded = a.load("s")
@@ -192,8 +205,9 @@ def test_a_load_on_one_redis_is_one_script_call(
     b.load("s")
     stats = redis_client.info("commandstats")
     calls = {name: int(v["calls"]) for name, v in stats.items() if "config" not in name}
-    # One EVALSHA; the HMGETs and GETs are load_pending.lua's own (counted as well)
-    assert calls == {"cmdstat_evalsha": 1, "cmdstat_hmget": 2, "cmdstat_get": 2}
+    # One EVALSHA; the HMGETs and GETs are load_pending.lua's own (counted as well): the
+    # record and the fence, the epoch, the stored value and the staged one the record names
+    assert calls == {"cmdstat_evalsha": 1, "cmdstat_hmget": 2, "cmdstat_get": 3}
 
 
 def test_a_load_whose_broker_is_down_says_so_instead_of_serving_the_store(
@@ -267,7 +281,8 @@ def test_settling_removes_a_record_only_up_to_the_settled_seq(redis_client: redi
         redis_client.hset(KEYS.pending(session_id), mapping={"seq": seq, "op": "delete"})
         redis_client.zadd(KEYS.pending_index(), {session_id: 2**50})
     redis_client.zadd(KEYS.pending_index(), {"expired": 1, "vanished": 2**50})
-    keys, args = settle_command(KEYS, [("old", 20), ("newer", 20), ("same", 20), ("vanished", 5)])
+    settled = (("old", 20), ("newer", 20), ("same", 20), ("vanished", 5))
+    keys, args = settle_command(KEYS, [Settlement(i, seq) for i, seq in settled])
     assert settle(keys=keys, args=args) == 2
     assert not redis_client.exists(KEYS.pending("old"), KEYS.pending("same"))
     assert redis_client.hget(KEYS.pending("newer"), "seq") == b"30"
@@ -285,7 +300,8 @@ def test_the_epoch_watch_counts_each_loss_once() -> None:
 def test_a_broker_at_maxmemory_refuses_the_push_whole(
     two_redis: tuple[CheckpointClient, CheckpointClient], redis_client: redis.Redis
 ) -> None:
-    # Given a session with a pending save, and a broker that then refuses writes
+    # Given a session with a pending save, and a broker that then refuses writes (a staged
+    # save's value SET first: its refusal is the error raised)
     a, _ = two_redis
     first = a.save(make_checkpoint("oom", version=1))
     used = int(redis_client.info("memory")["used_memory"])

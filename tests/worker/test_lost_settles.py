@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import redis
 
+from checkpointq.store.keys import KeySpace
+from checkpointq.tasks.producer.pending import Settlement, settle_command
 from checkpointq.worker import lost_settles, reserve
 from checkpointq.worker.consumer import _release_slot_when_broker_lost
 from checkpointq.worker.hooks import kombu as kombu_hooks
@@ -87,6 +89,32 @@ def test_a_settle_the_broker_still_refuses_is_kept_for_the_next_attempt(
         # Then the next attempt, once writes are accepted, settles it
         lost.retry(channel)
         assert not lost and broker.hlen(channel.unacked_key) == 0
+    finally:
+        conn.close()
+
+
+def test_pending_records_settled_with_lost_acks_are_settled_again_with_them(
+    guarded: None,
+    broker: redis.Redis,
+    redis_server: RedisServer,
+    lost: lost_settles.LostSettles,
+) -> None:
+    # Given an applied staged save whose ack, and its record's settle, the broker refused
+    keys = KeySpace()
+    value = keys.pending_value("request")
+    broker.set(value, b"{}")
+    broker.hset(keys.pending("s"), mapping={"seq": 5, "op": "save", "req": "request"})
+    _publish(redis_server.url, 1)
+    conn, channel, received = _consume(redis_server.url, prefetch=1)
+    try:
+        conn.drain_events(timeout=5)
+        lost.lost_settle(received[0].delivery_tag, requeue=False)
+        lost.lost_records(*settle_command(keys, [Settlement("s", 5, "request")]))
+        # When the worker tries again, once the broker takes writes
+        lost.retry(channel)
+        # Then the ack, the record and the staged value are all done with
+        assert not lost and broker.hlen(channel.unacked_key) == 0
+        assert not broker.exists(value, keys.pending("s"))
     finally:
         conn.close()
 
