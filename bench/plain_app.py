@@ -2,10 +2,11 @@
 
 A stock Celery app with the delivery settings checkpointq's worker runs with (JSON only,
 ``acks_late``, prefetch multiplier 1; the pool and concurrency come from the command line,
-prefork -c 2 in the bench) and a no-op task registered as ``checkpoint.save``: no task
-base, no consumer, no transport, no observers, logging or metrics of ours. Draining the same
-messages with it measures what Celery itself costs per message on this machine, so the
-bench's ratios say what checkpointq adds (or saves) on top of that.
+prefork -c 2 in the bench) and no-op tasks registered as ``checkpoint.save`` and
+``checkpoint.save_staged``: no task base, no consumer, no transport, no observers, logging
+or metrics of ours. Draining the same messages with it measures what Celery itself costs
+per message on this machine, so the bench's ratios say what checkpointq adds (or saves) on
+top of that.
 
 One thing is matched beyond the delivery settings: Celery's two per-task INFO lines
 ("received", "succeeded") are off, as they are in our worker, so neither side pays for
@@ -44,4 +45,10 @@ def _quiet_per_task_lines(**_: Any) -> None:
 @app.task(name="checkpoint.save")  # type: ignore[untyped-decorator]
 def save(checkpoint: object, seq: int | None = None) -> dict[str, Any]:
     """Accept a save's arguments and do nothing with them."""
+    return {"outcome": "noop"}
+
+
+@app.task(name="checkpoint.save_staged")  # type: ignore[untyped-decorator]
+def save_staged(session_id: object, seq: object, trimmed: object = 0) -> dict[str, Any]:
+    """Accept a staged save's arguments and do nothing with them."""
     return {"outcome": "noop"}

@@ -9,7 +9,9 @@ private Redis (broker and store alike), interleaved repetitions:
 * ``RedisStore.save``: writing the checkpoint synchronously, no queue at all.
 
 Nothing consumes the queue: it is emptied between repetitions. Each ``CheckpointClient.save``
-also writes its pending record (issue 22), in the same script call as the push.
+is a staged save (its value SET on the broker under the request's id, then one publish.lua
+call that pushes a message naming it and writes the session's pending record, issue 22), in
+one round trip.
 
 Loads: ``CheckpointClient.load_with_fence`` (which merges the pending record: one script
 call, broker and store being one Redis) against ``RedisStore.load_with_fence``, for a
@@ -23,6 +25,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -57,12 +60,12 @@ def run(config: RunConfig) -> SectionReport:
     try:
         p50s, p99s, everything = _measure(server, calls, config)
         loads = _measure_loads(server, calls, config)
-        record_bytes, index_bytes = _pending_memory(server)
+        memory = _pending_memory(server)
     finally:
         server.cleanup()
     report = SectionReport("producer", "Producer: enqueue cost per request")
     _write(report, p50s, p99s, everything, calls, config)
-    _write_loads(report, loads, record_bytes, index_bytes, config)
+    _write_loads(report, loads, memory, config)
     return report
 
 
@@ -95,24 +98,40 @@ def _measure_loads(server: RedisServer, calls: int, config: RunConfig) -> dict[s
     return {w: summarize(v) for w, v in p50.items()}
 
 
-def _pending_memory(server: RedisServer) -> tuple[int, int]:
-    """Bytes the broker holds for one pending 20 KB save: its record (``MEMORY USAGE``),
-    and its index entry (the sorted set's growth per entry, over 1,000 entries)."""
+@dataclass(frozen=True, slots=True)
+class PendingMemory:
+    """Broker bytes (``MEMORY USAGE``, medians over 1,000 pending 20 KB saves): what a pending
+    session holds (its record, its index entry), and what each queued save holds until a
+    worker settles it (its message, its staged value)."""
+
+    record: int
+    index: int
+    message: int
+    value: int
+
+
+def _pending_memory(server: RedisServer) -> PendingMemory:
     raw = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=30)
     raw.flushall()
     client = CheckpointClient(server.url, RedisStore(raw, prefix="bench"), queue=QUEUE)
     try:
-        for i in range(1000):
-            client.save(make_checkpoint(f"mem{i}", SIZE))
-        raw.delete(QUEUE)
+        handles = [client.save(make_checkpoint(f"mem{i}", SIZE)) for i in range(1000)]
         keys = client.pending_records.keys if client.pending_records else None
         assert keys is not None, "a Redis broker has pending records"
         records = [int(raw.memory_usage(keys.pending(f"mem{i}")) or 0) for i in range(1000)]
         index = int(raw.memory_usage(keys.pending_index()) or 0)
+        values = [int(raw.memory_usage(keys.pending_value(h.task_id)) or 0) for h in handles]
+        queue = int(raw.memory_usage(QUEUE, samples=0) or 0)
+        raw.delete(QUEUE)
     finally:
         client.close()
         raw.close()
-    return round(statistics.median(records)), round(index / 1000)
+    return PendingMemory(
+        round(statistics.median(records)),
+        round(index / 1000),
+        round(queue / 1000),
+        round(statistics.median(values)),
+    )
 
 
 def _stock_celery(url: str) -> tuple[Celery, Any]:
@@ -172,8 +191,7 @@ def _measure(
 def _write_loads(
     report: SectionReport,
     loads: dict[str, Summary],
-    record_bytes: int,
-    index_bytes: int,
+    memory: PendingMemory,
     config: RunConfig,
 ) -> None:
     direct = loads[LOADS[2]].median
@@ -191,9 +209,12 @@ def _write_loads(
         )
     report.lines += [
         "",
-        f"A pending 20 KB session holds **{record_bytes + index_bytes:,} bytes** of broker "
-        f"memory ({record_bytes:,} its record, whose value is the compressed checkpoint; "
-        f"{index_bytes} its index entry), until a worker applies its request.",
+        f"A pending 20 KB session holds **{memory.record + memory.index:,} bytes** of broker "
+        f"memory ({memory.record:,} its record, which names its staged value; "
+        f"{memory.index} its index entry), and each queued save "
+        f"**{memory.message + memory.value:,} bytes** ({memory.message:,} its message, "
+        f"{memory.value:,} its staged value, the checkpoint's JSON), until a worker settles "
+        "its request: the broker holds what the lag's backlog holds, not what time has seen.",
     ]
     report.targets.append(
         Target(

@@ -16,7 +16,10 @@ single saves carry zstd bodies, as our Python producers send them:
   ``BATCH`` saves each;
 * **saves, coalesced, task events on**: as deployed with ``-E`` (``CHECKPOINTQ_TASK_EVENTS``):
   each request's received, started and succeeded events published, nobody listening. The
-  deployed way above has events off and no signal receivers, so builds none of them.
+  deployed way above has events off and no signal receivers, so builds none of them;
+* **staged saves**: the same saves as ``checkpoint.save_staged`` messages naming their values
+  on the broker (our Python producers' default, docs/protocol.md "Staged saves"), drained
+  by plain Celery's no-op and by our worker as deployed; their ratio is to that no-op.
 
 Repetitions interleave the workers (plain, ours, ...) so that load from other work on the
 machine falls on all of them alike.
@@ -50,6 +53,9 @@ class Way:
     kind: str
     batched: bool = False
     settings: tuple[tuple[str, object], ...] = ()
+    #: Drains staged saves (``checkpoint.save_staged``, our producers' default) instead of
+    #: saves carrying their checkpoint.
+    staged: bool = False
 
 
 WAYS = (
@@ -59,6 +65,8 @@ WAYS = (
     Way("saves, coalesced (default)", "save"),
     Way(f"apply_batch x{BATCH}", "save", batched=True),
     Way("saves, coalesced, task events on (-E)", "save", settings=(("task_events", True),)),
+    Way("plain Celery no-op, staged save messages", "plain", staged=True),
+    Way("staged saves, coalesced (default)", "save", staged=True),
 )
 
 
@@ -78,11 +86,14 @@ def run(config: RunConfig) -> SectionReport:
         batches = worker_drain.stage(
             client, "bench-batches", messages // BATCH, SIZE, "b", per_message=BATCH
         )
+        staged_singles = worker_drain.stage(
+            client, "bench-staged", messages, SIZE, "st", staged=True
+        )
         applied = 0
         for _ in range(repeats):
             for way in WAYS:
                 stored.flushall()
-                staged = batches if way.batched else singles
+                staged = batches if way.batched else staged_singles if way.staged else singles
                 with worker_drain.running_worker(
                     broker, store, kind=way.kind, settings=dict(way.settings)
                 ) as worker:
@@ -111,10 +122,15 @@ def run(config: RunConfig) -> SectionReport:
     return report
 
 
+def _baseline(label: str) -> str:
+    """The plain Celery drain of the same messages as the way ``label``."""
+    staged = next(w.staged for w in WAYS if w.label == label)
+    return next(w.label for w in WAYS if w.kind == "plain" and w.staged == staged)
+
+
 def _write_cpu(report: SectionReport, cpu: dict[str, dict[str, Summary]]) -> None:
     """CPU per save of each part, and plain Celery's total over ours: what the drains cost
     whatever share of a loaded machine they got."""
-    plain = cpu[WAYS[0].label]["total"].median
     report.lines += [
         "",
         "CPU per save (user + system, from /proc; median of the repetitions, microseconds): "
@@ -128,6 +144,7 @@ def _write_cpu(report: SectionReport, cpu: dict[str, dict[str, Summary]]) -> Non
     for label, parts in cpu.items():
         cells = " | ".join(f"{parts[p].median:,.0f}" for p in (*worker_drain.CPU_PARTS, "total"))
         total = parts["total"].median
+        plain = cpu[_baseline(label)]["total"].median
         # (CPU time is counted in clock ticks: a quick run may spend too little to count)
         ratio = f"{plain / total:.2f}x" if total > 0 else "n/a"
         report.lines.append(f"| {label} | {cells} | **{ratio}** |")
@@ -157,7 +174,8 @@ def _write(
         "|---|---:|---:|",
     ]
     for label, summary in results.items():
-        report.lines.append(f"| {label} | {summary.fmt()} | **{summary.median / plain:.2f}x** |")
+        base = results[_baseline(label)].median
+        report.lines.append(f"| {label} | {summary.fmt()} | **{summary.median / base:.2f}x** |")
 
     def target(name: str, label: str, goal: float) -> Target:
         ratio = results[label].median / plain
@@ -173,6 +191,15 @@ def _write(
         ),
         check("worker: apply_batch saves/s vs plain Celery no-op", WAYS[4].label, BATCH_TARGET),
     ]
+    staged_ratio = results[WAYS[7].label].median / results[WAYS[6].label].median
+    report.targets.append(
+        Target(
+            "worker: staged single saves (coalesced) vs plain Celery no-op of the same messages",
+            f">= {COALESCED_TARGET:g}x",
+            f"{staged_ratio:.2f}x",
+            None if quick else staged_ratio >= COALESCED_TARGET,
+        )
+    )
     events = results[WAYS[5].label].median / results[WAYS[3].label].median
     report.targets.append(
         Target(

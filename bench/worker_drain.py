@@ -115,12 +115,16 @@ class Staged:
     #: (session id, seq) of each single save: the pending record our producers would have
     #: written with it, restored before each release so that every worker settles them.
     records: tuple[tuple[str, int], ...] = ()
+    #: Staged saves (``checkpoint.save_staged``): each message's task id and staged value,
+    #: restored before each release as our producers would have written them.
+    values: tuple[tuple[str, bytes], ...] = ()
 
     def release_and_time_drain(self, client: redis.Redis) -> float:
         """Copy the messages onto the queue at once; seconds from then until the queue is
         empty with nothing left unacknowledged (the idle worker waits in BRPOP: it takes the
         first message at once)."""
-        _write_records(client, self.records)
+        _write_records(client, self.records, [task_id for task_id, _ in self.values])
+        _write_values(client, self.values)
         client.copy(self.key, STAGING, replace=True)
         start = time.perf_counter()
         client.rename(STAGING, QUEUE)
@@ -189,11 +193,14 @@ def stage(
     per_message: int = 0,
     task: str = contract.SAVE,
     compressed: bool = False,
+    staged: bool = False,
 ) -> Staged:
     """Build ``messages`` save messages of ``size``-byte checkpoints into the list ``key``.
 
     With ``per_message`` > 0 each message is a ``checkpoint.apply_batch`` of that many saves;
-    else, with ``compressed``, each body is zstd as our Python producers send it.
+    else, with ``staged``, each is a ``checkpoint.save_staged`` naming its value (the
+    checkpoint's JSON), as our Python producers send a save by default; else, with
+    ``compressed``, each body is zstd as our Python producers send a save in its message.
     Session ids are ``<tag>-<i>`` (``<tag>-<i>-<n>`` in batches); seqs are increasing.
     """
     documents = [serialize_checkpoint(make_checkpoint(f"{tag}-t{n}", size)) for n in range(16)]
@@ -201,8 +208,14 @@ def stage(
     client.delete(key)
     pipe = client.pipeline(transaction=False)
     total = 0
+    values: list[tuple[str, bytes]] = []
     for i in range(messages):
-        if per_message:
+        if staged:
+            task_id = f"bench-{tag}-{i}"
+            values.append((task_id, _renamed(documents[i % 16], f"{tag}-{i}")))
+            body = contract.save_staged_body(f'"{tag}-{i}"'.encode(), 1_000 + i)
+            envelope = protocol2(contract.SAVE_STAGED, [], body=body, queue=QUEUE, task_id=task_id)
+        elif per_message:
             items = [
                 contract.save_item(_renamed(documents[n % 16], f"{tag}-{i}-{n}"), 1_000 + i)
                 for n in range(per_message)
@@ -226,22 +239,40 @@ def stage(
             pipe.execute()
     pipe.execute()
     records = () if per_message else tuple((f"{tag}-{i}", 1_000 + i) for i in range(messages))
-    return Staged(key, messages, max(1, per_message), total, records)
+    return Staged(key, messages, max(1, per_message), total, records, tuple(values))
 
 
 #: A record's value: about what a 20 KB generated checkpoint compresses to.
 _RECORD_VALUE = b"v" * 9_000
 
 
-def _write_records(client: redis.Redis, records: tuple[tuple[str, int], ...]) -> None:
+def _write_records(
+    client: redis.Redis, records: tuple[tuple[str, int], ...], staged: list[str]
+) -> None:
     """The pending records (tasks/producer/pending.py) of ``records``, as publish.lua
-    leaves them: a hash per session and its index entry."""
+    leaves them: a hash per session and its index entry; ``staged``: the staged saves'
+    task ids, in the same order, whose records name their values."""
     keys = KeySpace()
     pipe = client.pipeline(transaction=False)
     for n, (session_id, seq) in enumerate(records):
-        record = {"seq": seq, "op": "save", "req": f"bench-{n}", "value": _RECORD_VALUE}
+        record: dict[str, object] = {"seq": seq, "op": "save"}
+        if staged:
+            record |= {"req": staged[n], "staged": keys.pending_value(staged[n])}
+        else:
+            record |= {"req": f"bench-{n}", "value": _RECORD_VALUE}
         pipe.hset(keys.pending(session_id), mapping=record)  # type: ignore[arg-type]
         pipe.zadd(keys.pending_index(), {session_id: 2**50})
+        if n % 200 == 199:
+            pipe.execute()
+    pipe.execute()
+
+
+def _write_values(client: redis.Redis, values: tuple[tuple[str, bytes], ...]) -> None:
+    """Staged saves' values, as our producers SET them (the worker deletes each it settles)."""
+    keys = KeySpace()
+    pipe = client.pipeline(transaction=False)
+    for n, (task_id, value) in enumerate(values):
+        pipe.set(keys.pending_value(task_id), value, px=3_600_000)
         if n % 200 == 199:
             pipe.execute()
     pipe.execute()
