@@ -3,7 +3,7 @@
 Task names are the message contract (``checkpointq.tasks.messages``, docs/protocol.md):
 
     checkpoint.save(checkpoint: object, seq: int | None = None)
-    checkpoint.save_staged(session_id: str, seq: int, trimmed: int = 0)   (tasks/staged.py)
+    checkpoint.save_staged(session_id: str, seq: int, trimmed: int = 0)
     checkpoint.delete(session_id: str, seq: int | None = None)
     checkpoint.refresh(session_id: str)
     checkpoint.expire_stale()
@@ -15,10 +15,9 @@ bad input (``store.InvalidInput``, wrong arguments) is dead-lettered at once; an
 unexpected is dead-lettered too, so a request never disappears with only a traceback to show
 for it. An unavailable store is retried with backoff; when the retries run out the task asks
 the store for a write (``CheckpointStore.write_refusal``): while it refuses, the message goes
-back to the broker's queue (rejected with requeue), since an outage is no fault of the
-request; only a request that keeps failing while the store accepts other writes is
-dead-lettered. Meanwhile the worker has paused consuming (``worker/backpressure.py``), so
-the queue keeps what arrives during an outage of any length.
+back to the queue (rejected with requeue), since an outage is no fault of the request; only
+a request that keeps failing while the store accepts other writes is dead-lettered. The
+worker meanwhile takes no messages (``worker/backpressure.py``). Staged saves: tasks/staged.py.
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ def test_flower_lists_every_save_as_succeeded(
         wait_until(lambda: succeeded() == ids, timeout=30, message="flower to show 20 saves")
         tasks = _flower_tasks(port)
         for task_id in ids:
-            assert tasks[task_id]["name"] == "checkpoint.save"
+            assert tasks[task_id]["name"] == "checkpoint.save_staged"  # the client's default
             assert tasks[task_id]["worker"].startswith("fl@")
             assert tasks[task_id]["runtime"] is not None and tasks[task_id]["runtime"] >= 0
             assert tasks[task_id]["received"] is not None and tasks[task_id]["started"]

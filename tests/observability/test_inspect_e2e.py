@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from checkpointq.tasks.messages import SAVE
+from checkpointq.tasks.messages import SAVE, SAVE_STAGED
 from checkpointq.tasks.producer.client import CheckpointClient
 from checkpointq.worker.remote_control import REFUSAL
 from checkpointq.worker.settings import Settings
@@ -73,8 +73,8 @@ def test_inspect_and_status_answer_a_default_worker(
     status = celery(worker_env, "status")
     # Then each answers for the worker
     assert json.loads(ping.stdout) == {NODE: {"ok": "pong"}}, ping.stderr
-    assert json.loads(stats.stdout)[NODE]["total"][SAVE] >= 5
-    assert SAVE in json.loads(registered.stdout)[NODE]
+    assert json.loads(stats.stdout)[NODE]["total"][SAVE_STAGED] >= 5  # the client's saves
+    assert {SAVE, SAVE_STAGED} <= set(json.loads(registered.stdout)[NODE])
     assert json.loads(active.stdout) == {NODE: []}
     assert status.returncode == 0 and NODE in status.stdout, status.stderr
 

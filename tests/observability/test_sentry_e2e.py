@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from checkpointq.tasks.errors import RequestRefused
-from checkpointq.tasks.messages import SAVE
+from checkpointq.tasks.messages import SAVE_STAGED
 from checkpointq.tasks.producer.client import CheckpointClient
 from checkpointq.worker.settings import Settings
 from tests.observability.conftest import CHECKPOINTQ
@@ -56,7 +56,7 @@ def test_sentry_reports_a_failing_request_as_its_celery_task(
             for handle in good:
                 client.wait_durable(handle, timeout=60)
 
-        # and Sentry reports it once, as an error of the checkpoint.save task with that id
+        # and Sentry reports it once, as an error of its task (checkpoint.save_staged) and id
         def reported() -> list[dict[str, Any]]:
             return [e for e in _events(log) if e.get("tags", {}).get("celery_task_id")]
 
@@ -68,7 +68,7 @@ def test_sentry_reports_a_failing_request_as_its_celery_task(
     assert [e["tags"]["celery_task_id"] for e in events] == [bad.task_id]
     (event,) = events
     assert event["level"] == "error"
-    assert event["extra"]["celery-job"]["task_name"] == SAVE
+    assert event["extra"]["celery-job"]["task_name"] == SAVE_STAGED  # the client's save
     values = [v.get("value", "") for v in event["exception"]["values"]]
     assert any("a bug while saving sentry-bug-1" in value for value in values), values
     everything = log.read_text()

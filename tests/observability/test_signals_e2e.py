@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from checkpointq.store.serde import checkpoint_to_wire
-from checkpointq.tasks.messages import DELETE, SAVE
+from checkpointq.tasks.messages import DELETE, SAVE, SAVE_STAGED
 from checkpointq.tasks.producer.client import CheckpointClient
 from checkpointq.worker.settings import Settings
 from tests.observability.conftest import CHECKPOINTQ
@@ -72,7 +72,7 @@ def test_an_included_module_sees_each_coalesced_request_once(
     # When the Python client saves and deletes, and a raw producer LPUSHes saves and deletes
     with CheckpointClient.from_settings(settings) as client:
         for n in range(10):
-            ids[client.save(make_checkpoint(f"py-{n}", version=1)).task_id] = SAVE
+            ids[client.save(make_checkpoint(f"py-{n}", version=1)).task_id] = SAVE_STAGED
         for n in range(5):
             ids[client.delete(f"py-{n}").task_id] = DELETE
     broker = broker_server.client()

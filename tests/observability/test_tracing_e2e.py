@@ -103,7 +103,7 @@ def test_each_save_gets_one_consumer_span_child_of_its_producer_span(
     assert len(spans) == len(requests)
     for span in spans:
         producer: ReadableSpan = producers[span["task_id"]]
-        assert span["name"] == "run/checkpoint.save"
+        assert span["name"] == "run/checkpoint.save_staged"  # the client's saves
         assert span["trace_id"] == requests[span["task_id"]]
         assert span["parent_span_id"] == f"{producer.context.span_id:016x}"
     assert exporter.get_finished_spans(), "the API server's own spans were exported"
