@@ -77,6 +77,9 @@ def _parse_staged(task_id: str, body: bytes) -> tuple[StagedSave, list[Any], dic
     return staged.parse(args, kwargs, task_id), args, kwargs
 
 
+#: The least a staged value may take of a group's byte budget before it is read alone.
+MIN_VALUE_SHARE = 64 * 1024
+
 #: A request that parsed: its position in the group, what it asks, its arguments.
 _Parsed = tuple[int, BatchOp | StagedSave, list[Any], dict[str, Any]]
 
@@ -100,7 +103,13 @@ def _resolve(
     """The parsed requests as store operations, staged saves with their values (read in one
     round trip); a staged save without a usable value is left out, to the task path."""
     stage = [p[1] for p in parsed if isinstance(p[1], StagedSave)]
-    limit = rt.max_message_bytes
+    # Each value is read up to its share of the group's byte budget: a larger one goes to
+    # the task path, which reads it alone, so a pool process holds a group's values within
+    # the budget whatever their sizes (as the prefetch budget bounds carried checkpoints).
+    share = rt.group_value_bytes // max(1, len(stage)) if rt.group_value_bytes else 0
+    limit = (
+        min(rt.max_message_bytes, max(share, MIN_VALUE_SHARE)) if share else rt.max_message_bytes
+    )
     try:
         values = iter(staged.fetch(rt.pending, [s.request_id for s in stage], limit))
     except RedisError:

@@ -31,6 +31,9 @@ class Runtime:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     #: Largest accepted request (JSON arguments), bytes.
     max_message_bytes: int = 8 * 1024 * 1024
+    #: Staged values one coalesced group reads at most, bytes (0: no bound but the message
+    #: limit): what the prefetch byte budget bounds for messages carrying their checkpoint.
+    group_value_bytes: int = 4 * 1024 * 1024
     #: How far (s) a message's ``eta`` may be ahead: the broker's visibility timeout.
     max_eta_ahead_seconds: float = 300.0
     #: How far (µs) a request's ``seq`` may be ahead of this worker's clock (tasks/seq.py).

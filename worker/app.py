@@ -168,6 +168,7 @@ def build_runtime(settings: Settings) -> Runtime:
             max_seconds=settings.retry_backoff_max_seconds,
         ),
         max_message_bytes=settings.max_message_bytes,
+        group_value_bytes=settings.prefetch_max_bytes,
         max_eta_ahead_seconds=settings.visibility_timeout,
         max_seq_ahead_us=round(settings.max_seq_ahead_seconds * 1_000_000),
         sweep_limit=settings.sweep_limit,

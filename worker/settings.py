@@ -134,7 +134,8 @@ class Settings(BaseSettings):
     #: 0: bounded by the message count alone). The prefetch window counts messages: with
     #: 200 KB checkpoints its 64 messages held ~50 MB in the main process and a group's worth
     #: in each pool process. Past this budget the worker reads no more until some is
-    #: acknowledged; one message is read whatever its size. Redis brokers only.
+    #: acknowledged; one message is read whatever its size. Redis brokers only. It also
+    #: bounds the staged values a coalesced group reads (a larger one is read alone).
     prefetch_max_bytes: int = Field(default=4 * 1024 * 1024, ge=0)
 
     @property
