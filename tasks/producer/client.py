@@ -158,7 +158,7 @@ class CheckpointClient:
         ``stage_saves``: on a Redis broker, send each save as ``checkpoint.save_staged``:
         its stored value goes to the broker once, beside a message that names it, instead
         of in the message and again in its pending record (docs/protocol.md, "Staged
-        saves"). Workers must know that task (checkpointq 0.2 on): upgrade them first.
+        saves"). Workers must know that task (this release on): upgrade them first.
         """
         self._transport_options = dict(transport_options or {})
         self.clock = clock or seq_clock
@@ -272,7 +272,8 @@ class CheckpointClient:
             BrokerUnavailable: the broker stayed unreachable through the publish retries.
         """
         publisher = self._publisher
-        if publisher is not None and self.stage_saves:
+        # (a staged value is written only by the pending records' script: both or neither)
+        if publisher is not None and publisher.pending is not None and self.stage_saves:
             return self._save_staged(publisher, checkpoint, after)
         cp, document, stored = self.prepare_save(checkpoint)
         seq = self.clock.next(cp.session_id, after)
