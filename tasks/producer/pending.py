@@ -46,10 +46,6 @@ SAVE_OP, DELETE_OP = "save", "delete"
 #: What publish.lua is told for a staged save (it stores the record as a save).
 STAGED_OP = "staged"
 
-#: The record fields a load reads, in load_pending.lua's order.
-_RECORD_FIELDS = ("seq", "op", "req", "value")
-
-
 #: How long a staged value waits for the script that pushes its message (they go in one
 #: write, so only a client that dies between them leaves one behind, for this long); the
 #: script then gives it the record's lifetime.
@@ -96,7 +92,8 @@ def _text(value: bytes | None) -> str:
 def parse_record(
     seq: bytes | None, op: bytes | None, req: bytes | None = None, value: bytes | None = None
 ) -> PendingRecord | None:
-    """A record from its hash fields (``_RECORD_FIELDS``); None when there is none.
+    """A record from its fields as read_pending.lua and load_pending.lua return them (seq,
+    op, req, value); None when there is none.
 
     Raises:
         BrokerUnavailable: the fields are not a record publish.lua writes (a foreign writer).
@@ -232,7 +229,7 @@ class PendingRecords:
         """
         try:
             *fields, epoch = self._read(
-                keys=[self.keys.pending(session_id), self.keys.pending_epoch()], args=[]
+                keys=[self.keys.pending(session_id), self._epoch_key], args=[]
             )
         except redis_errors.RedisError as exc:
             raise self._unavailable(f"the load of {session_id!r}", exc) from exc
