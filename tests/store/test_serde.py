@@ -126,7 +126,8 @@ def test_unknown_fields_keep_their_json_types_and_order_at_every_level() -> None
 
 
 @pytest.mark.parametrize(
-    "number", [2**63 - 1, 2**63, 9_999_999_999_999_999_999, -(2**63) - 1, 10**30]
+    "number",
+    [2**63 - 1, 2**63, 9_999_999_999_999_999_999, 2**64, -(2**63) - 1, 10**20, 10**30, 10**400],
 )
 def test_integers_at_and_beyond_64_bits_keep_every_digit(number: int) -> None:
     # 19 digits is where int64 ends; orjson would turn anything longer into a float.
