@@ -31,8 +31,9 @@ def _git_revision() -> str:
         )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+    # The run's own outputs (this report, its plots) are rewritten as it goes: not a change.
     dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"],
+        ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"],
         capture_output=True,
         text=True,
         check=False,
