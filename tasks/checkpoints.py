@@ -84,8 +84,8 @@ def save_staged(task: Task, session_id: object, seq: object, trimmed: object = 0
         if staged.settled_before(rt.store, request):
             return {"outcome": "stale", "session_id": request.session_id, "seq": request.seq}
         raise staged.lost(request)
-    staged.check_size(request, value, rt.max_message_bytes)
-    (result,) = rt.store.apply_batch([staged.save_op(rt.store, request, value)])
+    op = staged.save_op(rt.store, request, value, rt.max_message_bytes)
+    (result,) = rt.store.apply_batch([op])
     if isinstance(result, InvalidInput):
         raise result
     assert isinstance(result, SaveResult)  # a save's result, or its refusal above

@@ -121,8 +121,8 @@ def _resolve(
             if value is None:
                 continue
             try:
-                staged.check_size(request, value, limit)
-                resolved.append((position, staged.save_op(rt.store, request, value), args, kwargs))
+                op = staged.save_op(rt.store, request, value, limit)
+                resolved.append((position, op, args, kwargs))
             except InvalidInput:
                 continue
         else:

@@ -75,7 +75,7 @@ def fetch(
 ) -> list[bytes | None]:
     """The staged value of each request id (None: not there), in one round trip to the
     broker. Each is read only up to one byte past ``max_bytes`` (``GETRANGE``): a value
-    longer than ``max_bytes`` comes back that long, and is refused by ``check_size``
+    longer than ``max_bytes`` comes back that long, and is refused by ``save_op``
     without the worker ever holding it whole.
 
     Raises:
@@ -94,22 +94,20 @@ def fetch(
     return values
 
 
-def check_size(request: StagedSave, value: bytes, max_bytes: int) -> None:
-    """Raises InvalidInput when ``value`` (as ``fetch`` read it) is over ``max_bytes``."""
+def save_op(store: CheckpointStore, request: StagedSave, value: bytes, max_bytes: int) -> SaveOp:
+    """The store operation for ``request`` and its staged ``value`` (as ``fetch`` read it
+    with ``max_bytes``), which the store writes as it is when it fits the store's own cap
+    and budget (and encodes again otherwise).
+
+    Raises:
+        InvalidInput: the value is over ``max_bytes``, does not decode, or is another
+            session's.
+    """
     if len(value) > max_bytes:
         raise InvalidInput(
             f"its staged value (request {request.request_id}) is over the {max_bytes}-byte "
             "message limit (CHECKPOINTQ_MAX_MESSAGE_BYTES)"
         )
-
-
-def save_op(store: CheckpointStore, request: StagedSave, value: bytes) -> SaveOp:
-    """The store operation for ``request`` and its staged ``value``, which the store writes
-    as it is when it fits the store's own cap and budget (and encodes again otherwise).
-
-    Raises:
-        InvalidInput: the value does not decode, or is another session's.
-    """
     try:
         checkpoint = store.decode_value(request.session_id, value)
     except CorruptCheckpoint as exc:
