@@ -27,6 +27,7 @@ from checkpointq.store.errors import (
     InvalidInput,
 )
 from checkpointq.store.model import Checkpoint, display_id, validate_session_id
+from checkpointq.store.ordering import OrderKey, deadline_ms, lapsed, order_key
 from checkpointq.store.reconcile import ReconcileReport
 from checkpointq.store.serde import deserialize_checkpoint, serialize_checkpoint
 
@@ -47,9 +48,10 @@ class StoreOptions:
 
     #: Lifetime of a session after its last save or refresh, in seconds (Go: 30 days).
     ttl_seconds: float = 30 * DAY
-    #: How long a delete's tombstone (and any fence) outlives the data, in seconds. It must
-    #: exceed the longest time a request can sit in the queue or in retries, or a very late
-    #: save could resurrect a deleted session.
+    #: How long a fence outlives what it guards, in seconds: a save's fence lives until its
+    #: value's deadline plus this, a delete's tombstone until every request ordered before
+    #: it is past its deadline (seq + TTL) plus this (``ordering``). A margin for clocks,
+    #: not for queues: however long a request waits, it lapses at its own deadline.
     tombstone_ttl_seconds: float = 1 * DAY
     #: Most recent messages kept in ``conversationHistory`` (Go: 100).
     history_cap: int = 100
@@ -88,6 +90,9 @@ class SaveResult:
     trimmed: int = 0
     #: Size of the stored value in bytes (0 when not applied).
     stored_bytes: int = 0
+    #: The save arrived past its deadline (``ordering``): never applied, and older requests
+    #: of its session are fenced out as if it had been applied and had expired.
+    lapsed: bool = False
 
     @classmethod
     def of(
@@ -105,6 +110,11 @@ class SaveResult:
             encoded.trimmed,
             len(encoded.value),
         )
+
+    @classmethod
+    def lapse(cls, ref: str, checkpoint: Checkpoint, seq: int) -> SaveResult:
+        """A save that arrived past its deadline: not applied (``CheckpointStore.lapse``)."""
+        return cls(ref, False, checkpoint.session_id, checkpoint.version, seq, lapsed=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +147,13 @@ class Fence:
     deleted: bool
     request_id: str = ""
     live: bool = False
+    #: Set by a save that lapsed (``ordering``): it holds the fence, but never stored a value.
+    lapsed: bool = False
+
+    @property
+    def key(self) -> OrderKey:
+        """The order key of the request that set the fence (``ordering.order_key``)."""
+        return order_key(self.seq, self.deleted, self.request_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,10 +194,20 @@ class DeleteOp:
     request_id: str = ""
 
 
-BatchOp = SaveOp | DeleteOp
+@dataclass(frozen=True, slots=True)
+class LapseOp:
+    """A save known to be past its deadline, whose checkpoint need not be read (a staged
+    save's value may be gone): ``CheckpointStore.lapse``."""
 
-#: What one item of a batch did: a save's result, a delete's ``applied`` flag, or the
-#: invalid input that refused it (the other items still apply).
+    session_id: str
+    seq: int
+    request_id: str = ""
+
+
+BatchOp = SaveOp | DeleteOp | LapseOp
+
+#: What one item of a batch did: a save's result, a delete's or a lapse's ``applied`` flag,
+#: or the invalid input that refused it (the other items still apply).
 BatchResult = SaveResult | bool | InvalidInput
 
 
@@ -226,8 +253,15 @@ class CheckpointStore(abc.ABC):
 
     @abc.abstractmethod
     def delete(self, session_id: str, seq: int | None = None, request_id: str = "") -> bool:
-        """Delete and leave a tombstone; False when a newer request had already won (or
-        another delete with the same ``seq``)."""
+        """Delete and leave a tombstone; False when a request ordered after it had already
+        won (``ordering``)."""
+
+    @abc.abstractmethod
+    def lapse(self, session_id: str, seq: int, request_id: str = "") -> bool:
+        """Settle a save that arrived past its deadline without storing anything: if it is
+        ordered after the fence, the session's value goes (it would have expired by now)
+        and the fence records the lapsed save, so older requests stay out; False when a
+        request ordered at or after it had already won."""
 
     @abc.abstractmethod
     def refresh(self, session_id: str) -> bool:
@@ -285,6 +319,8 @@ class CheckpointStore(abc.ABC):
             try:
                 if isinstance(op, SaveOp):
                     results.append(self.save(op.checkpoint, op.seq, op.request_id))
+                elif isinstance(op, LapseOp):
+                    results.append(self.lapse(op.session_id, op.seq, op.request_id))
                 else:
                     results.append(self.delete(op.session_id, op.seq, op.request_id))
             except InvalidInput as exc:
@@ -338,6 +374,34 @@ class CheckpointStore(abc.ABC):
 
     def resolve_seq(self, seq: int | None) -> int:
         return self.now_seq() if seq is None else validate_seq(seq)
+
+    @property
+    def ttl_ms(self) -> int:
+        """The session TTL in ms."""
+        return max(1, round(self.options.ttl_seconds * 1000))
+
+    @property
+    def tombstone_ms(self) -> int:
+        """The fence's margin past every deadline it guards, in ms."""
+        return max(1, round(self.options.tombstone_ttl_seconds * 1000))
+
+    def lapsed(self, seq: int, now_ms: int) -> bool:
+        """Whether a save stamped ``seq`` is past its deadline at ``now_ms`` (``ordering``)."""
+        return lapsed(seq, self.ttl_ms, now_ms)
+
+    def value_deadline_ms(self, seq: int, now_ms: int) -> int:
+        """When a save stamped ``seq`` and applied at ``now_ms`` expires: its own deadline
+        for a time ``seq`` (so a value never outlives a request ordered after it), else
+        TTL from now (a counter)."""
+        deadline = deadline_ms(seq, self.ttl_ms)
+        return now_ms + self.ttl_ms if deadline is None else deadline
+
+    def tombstone_expiry_ms(self, seq: int, now_ms: int) -> int:
+        """When a delete's (or a lapsed save's) fence may be forgotten: once every request
+        ordered before it is past its deadline, plus the tombstone margin (workers whose
+        clocks lag the store's, a TTL shortened since). A counter's: the margin from now."""
+        deadline = deadline_ms(seq, self.ttl_ms)
+        return max(now_ms, deadline or 0) + self.tombstone_ms
 
     @staticmethod
     def check_session_id(session_id: object) -> str:

@@ -21,6 +21,11 @@ from checkpointq.store.base import (
     StoreOptions,
 )
 from checkpointq.store.model import Checkpoint
+from checkpointq.store.ordering import OrderKey, order_key
+
+
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
 
 
 @dataclass(slots=True)
@@ -30,6 +35,10 @@ class _Fence:
     #: When the fence itself may be forgotten (seconds since epoch).
     expires_at: float
     request_id: str = ""
+    lapsed: bool = False
+
+    def key(self) -> OrderKey:
+        return order_key(self.seq, self.deleted, self.request_id)
 
 
 @dataclass(slots=True)
@@ -56,27 +65,50 @@ class InMemoryStore(CheckpointStore):
             return None
         return fence
 
+    def _beaten(self, session_id: str, now: float, key: OrderKey, *, repeats: bool) -> bool:
+        """Whether the session's fence holds a request ordered after ``key`` (or, unless
+        ``repeats``, the very request ``key`` names: a duplicate that must not apply)."""
+        fence = self._live_fence(session_id, now)
+        return fence is not None and (key < fence.key() or (key == fence.key() and not repeats))
+
     def save(
         self, checkpoint: Checkpoint, seq: int | None = None, request_id: str = ""
     ) -> SaveResult:
         seq = self.resolve_seq(seq)
         session_id = checkpoint.session_id
+        if self.lapsed(seq, _ms(self.clock())):
+            self.lapse(session_id, seq, request_id)
+            return SaveResult.lapse(self.ref(session_id, checkpoint.version), checkpoint, seq)
         encoded = self.encode(checkpoint)
         ref = self.ref(session_id, checkpoint.version)
         with self._lock:
             now = self.clock()
-            fence = self._live_fence(session_id, now)
-            if fence is not None and (
-                seq < fence.seq
-                or (seq == fence.seq and (fence.deleted or fence.request_id != request_id))
-            ):
+            if self._beaten(session_id, now, order_key(seq, False, request_id), repeats=True):
                 return SaveResult.of(ref, checkpoint, seq, encoded, applied=False)
-            deadline = now + self.options.ttl_seconds
+            deadline = self.value_deadline_ms(seq, _ms(now)) / 1000
             self._entries[session_id] = _Entry(encoded.value, deadline)
             self._fences[session_id] = _Fence(
                 seq, False, deadline + self.options.tombstone_ttl_seconds, request_id
             )
         return SaveResult.of(ref, checkpoint, seq, encoded, applied=True)
+
+    def lapse(self, session_id: str, seq: int, request_id: str = "") -> bool:
+        self.check_session_id(session_id)
+        return self._end(session_id, order_key(seq, False, request_id), lapsed=True)
+
+    def _end(self, session_id: str, key: OrderKey, *, lapsed: bool = False) -> bool:
+        """A delete's tombstone, or a lapsed save's fence (``lapsed``), unless beaten."""
+        seq, rank, request_id = key
+        with self._lock:
+            now = self.clock()
+            if self._beaten(session_id, now, key, repeats=not lapsed):
+                return False
+            self._entries.pop(session_id, None)
+            expires = self.tombstone_expiry_ms(seq, _ms(now)) / 1000
+            self._fences[session_id] = _Fence(
+                seq, bool(rank), expires, request_id.decode("utf-8", "surrogatepass"), lapsed
+            )
+        return True
 
     def load(self, session_id: str) -> Checkpoint | None:
         return self.load_with_fence(session_id)[0]
@@ -97,20 +129,7 @@ class InMemoryStore(CheckpointStore):
 
     def delete(self, session_id: str, seq: int | None = None, request_id: str = "") -> bool:
         self.check_session_id(session_id)
-        seq = self.resolve_seq(seq)
-        with self._lock:
-            now = self.clock()
-            fence = self._live_fence(session_id, now)
-            if fence is not None and (
-                seq < fence.seq
-                or (seq == fence.seq and fence.deleted and fence.request_id != request_id)
-            ):
-                return False
-            self._entries.pop(session_id, None)
-            self._fences[session_id] = _Fence(
-                seq, True, now + self.options.tombstone_ttl_seconds, request_id
-            )
-        return True
+        return self._end(session_id, order_key(self.resolve_seq(seq), True, request_id))
 
     def refresh(self, session_id: str) -> bool:
         self.check_session_id(session_id)
@@ -122,7 +141,9 @@ class InMemoryStore(CheckpointStore):
             entry.deadline = now + self.options.ttl_seconds
             fence = self._fences.get(session_id)
             if fence is not None:
-                fence.expires_at = entry.deadline + self.options.tombstone_ttl_seconds
+                fence.expires_at = max(
+                    fence.expires_at, entry.deadline + self.options.tombstone_ttl_seconds
+                )
         return True
 
     def fence(self, session_id: str) -> Fence | None:
@@ -136,7 +157,7 @@ class InMemoryStore(CheckpointStore):
             return None
         entry = self._entries.get(session_id)
         live = not fence.deleted and entry is not None and entry.deadline > now
-        return Fence(fence.seq, fence.deleted, fence.request_id, live)
+        return Fence(fence.seq, fence.deleted, fence.request_id, live, fence.lapsed)
 
     def list_page(self, cursor: str | None = None, count: int = 1000) -> Page:
         start = int(cursor) if cursor else 0

@@ -38,12 +38,14 @@ from checkpointq.store.base import (
     CheckpointStore,
     Clock,
     Fence,
+    LapseOp,
     Page,
     Refusal,
     SaveOp,
     SaveResult,
     SessionCounts,
     StoreOptions,
+    validate_seq,
 )
 from checkpointq.store.cluster import cluster_client_from_url
 from checkpointq.store.errors import (
@@ -270,8 +272,11 @@ class RedisStore(CheckpointStore):
         self, checkpoint: Checkpoint, seq: int | None = None, request_id: str = ""
     ) -> SaveResult:
         seq = self.resolve_seq(seq)
-        encoded = self.encode(checkpoint)
         session_id = checkpoint.session_id
+        if self.lapsed(seq, _ms(self.clock())):
+            self.lapse(session_id, seq, request_id)
+            return SaveResult.lapse(self.ref(session_id, checkpoint.version), checkpoint, seq)
+        encoded = self.encode(checkpoint)
         with _store_errors(f"save {session_id!r}"):
             if self._cluster:
                 keys, args = self._save_call(session_id, encoded.value, seq, request_id)
@@ -343,12 +348,16 @@ class RedisStore(CheckpointStore):
     ) -> tuple[list[str], list[Any]]:
         """``save.lua``'s KEYS and ARGV (see its header): the one place they are built.
 
-        ``ttl_ms`` defaults to the session TTL; ``now_ms`` to the store's clock. With
-        ``staging`` (a staged save) the value is not sent: the script takes it from there.
+        ``now_ms`` defaults to the store's clock. The value lives until the save's deadline
+        (``value_deadline_ms``: seq + TTL for a time seq), or ``ttl_ms`` from now when given
+        (a migration keeping a value's remaining life); its fence the tombstone margin
+        longer. With ``staging`` (a staged save) the value is not sent: the script takes it
+        from there.
         """
-        ttl_ms = _ms(self.options.ttl_seconds) if ttl_ms is None else ttl_ms
         now_ms = _ms(self.clock()) if now_ms is None else now_ms
-        fence_ttl_ms = ttl_ms + _ms(self.options.tombstone_ttl_seconds)
+        if ttl_ms is None:
+            ttl_ms = max(1, self.value_deadline_ms(seq, now_ms) - now_ms)
+        fence_ttl_ms = ttl_ms + self.tombstone_ms
         keys = self.keys.session(session_id).as_list()
         if staging is not None:
             keys.append(staging)
@@ -356,15 +365,33 @@ class RedisStore(CheckpointStore):
         args = [seq, value, ttl_ms, now_ms + ttl_ms, fence_ttl_ms, session_id, request_id]
         return keys, args
 
+    def _delete_call(
+        self, session_id: str, seq: int, request_id: str, now_ms: int, *, lapse: bool = False
+    ) -> tuple[Script, list[str], list[Any]]:
+        """``delete.lua``'s script, KEYS and ARGV, for a delete or (``lapse``) a lapsed save:
+        the fence outlives every request ordered before it (``tombstone_expiry_ms``)."""
+        fence_ttl_ms = max(1, self.tombstone_expiry_ms(seq, now_ms) - now_ms)
+        keys = self.keys.session(session_id).as_list()
+        args = [seq, fence_ttl_ms, session_id, request_id, "2" if lapse else "1"]
+        return self.scripts.delete, keys, args
+
     def delete(self, session_id: str, seq: int | None = None, request_id: str = "") -> bool:
         self.check_session_id(session_id)
         seq = self.resolve_seq(seq)
+        script, keys, args = self._delete_call(session_id, seq, request_id, _ms(self.clock()))
         with _store_errors(f"delete {session_id!r}"):
-            applied = self.scripts.delete(
-                keys=self.keys.session(session_id).as_list(),
-                args=[seq, _ms(self.options.tombstone_ttl_seconds), session_id, request_id],
-            )
+            applied = script(keys=keys, args=args)
         return bool(applied)
+
+    def lapse(self, session_id: str, seq: int, request_id: str = "") -> bool:
+        self.check_session_id(session_id)
+        seq = validate_seq(seq)
+        script, keys, args = self._delete_call(
+            session_id, seq, request_id, _ms(self.clock()), lapse=True
+        )
+        with _store_errors(f"lapse {session_id!r}"):
+            took = script(keys=keys, args=args)
+        return bool(took)
 
     def apply_batch(self, ops: Sequence[BatchOp]) -> list[BatchResult]:
         """Apply the batch in one pipelined round trip: one save or delete script per item,
@@ -378,7 +405,6 @@ class RedisStore(CheckpointStore):
         """
         results: list[BatchResult | None] = []
         finish: list[Callable[[Any], BatchResult]] = []
-        tombstone_ms = _ms(self.options.tombstone_ttl_seconds)
         now_ms = _ms(self.clock())
         pipe = self.client.pipeline(transaction=False) if self._cluster else None
         commands: list[tuple[Any, ...]] = []  # single Redis: what _send_batch sends
@@ -394,7 +420,7 @@ class RedisStore(CheckpointStore):
 
         for op in ops:
             try:
-                if isinstance(op, SaveOp):
+                if isinstance(op, SaveOp) and not self.lapsed(self.resolve_seq(op.seq), now_ms):
                     seq = self.resolve_seq(op.seq)
                     cp = op.checkpoint
                     encoded = self.encode_op(op)
@@ -415,12 +441,16 @@ class RedisStore(CheckpointStore):
                     ref = self.ref(cp.session_id, cp.version)
                     # save.lua's reply (1 or 0) becomes the result's ``applied``.
                     finish.append(partial(SaveResult.of, ref, cp, seq, encoded))
+                elif isinstance(op, SaveOp):  # lapsed: past its deadline, never stored
+                    cp, seq = op.checkpoint, self.resolve_seq(op.seq)
+                    call(*self._delete_call(cp.session_id, seq, op.request_id, now_ms, lapse=True))
+                    sent += 1
+                    finish.append(partial(_lapsed, self.ref(cp.session_id, cp.version), cp, seq))
                 else:
                     self.check_session_id(op.session_id)
                     seq = self.resolve_seq(op.seq)
-                    keys = self.keys.session(op.session_id).as_list()
-                    args = [seq, tombstone_ms, op.session_id, op.request_id]
-                    call(self.scripts.delete, keys, args)
+                    lapse = isinstance(op, LapseOp)
+                    call(*self._delete_call(op.session_id, seq, op.request_id, now_ms, lapse=lapse))
                     sent += 1
                     finish.append(bool)
                 results.append(None)
@@ -545,7 +575,8 @@ class RedisStore(CheckpointStore):
         if seq is None:
             return None
         live = deadline is not None and float(deadline) > _ms(self.clock())
-        return Fence(int(seq), deleted == b"1", _text(request_id), live and deleted != b"1")
+        kind = _text(deleted)
+        return Fence(int(seq), kind == "1", _text(request_id), live and kind == "0", kind == "2")
 
     def list_page(self, cursor: str | None = None, count: int = 1000) -> Page:
         """One page of live ids; the cursor is ZSCAN's on a single Redis and
@@ -961,6 +992,11 @@ class RedisStore(CheckpointStore):
                 if node.redis_connection is not None:
                     node.redis_connection.connection_pool.disconnect()
         self.client.close()
+
+
+def _lapsed(ref: str, checkpoint: Checkpoint, seq: int, _reply: Any) -> SaveResult:
+    """A lapsed save's result, whatever lapse.lua answered."""
+    return SaveResult.lapse(ref, checkpoint, seq)
 
 
 def _text(value: bytes | None) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 
 from celery import Task
 
-from checkpointq.store.base import BatchOp, BatchResult, DeleteOp, SaveOp, SaveResult
+from checkpointq.store.base import BatchOp, BatchResult, DeleteOp, LapseOp, SaveOp, SaveResult
 from checkpointq.store.errors import InvalidInput
 from checkpointq.store.model import validate_session_id
 from checkpointq.store.serde import checkpoint_from_wire, dumps_go
@@ -78,6 +78,8 @@ def _as_request(item: object) -> tuple[str, list[Any], dict[str, Any]]:
 def item_outcome(op: BatchOp, result: SaveResult | bool) -> Outcome:
     if isinstance(op, SaveOp) and isinstance(result, SaveResult):
         return save_outcome(result)
+    if isinstance(op, LapseOp):  # a staged save past its deadline: never stored
+        return {"outcome": "expired", "session_id": op.session_id, "seq": op.seq}
     session_id = op.session_id if isinstance(op, DeleteOp) else op.checkpoint.session_id
     return {"outcome": "deleted" if result else "stale", "session_id": session_id, "seq": op.seq}
 

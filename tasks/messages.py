@@ -168,9 +168,10 @@ def requested_seq(args: list[Any] | tuple[Any, ...], kwargs: dict[str, Any]) -> 
 
 def save_outcome(result: SaveResult) -> dict[str, Any]:
     """What a save task returns (its Celery result, which a waiting producer reads), and
-    what a batch reports for each save item: the one place it is built."""
+    what a batch reports for each save item: the one place it is built. ``expired``: it
+    arrived past its deadline and was never stored (``checkpointq.store.ordering``)."""
     return {
-        "outcome": "applied" if result.applied else "stale",
+        "outcome": "applied" if result.applied else "expired" if result.lapsed else "stale",
         "session_id": result.session_id,
         "seq": result.seq,
         "version": result.version,

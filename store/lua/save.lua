@@ -15,17 +15,24 @@
 -- ARGV[6]  session id (the index member)
 -- ARGV[7]  request id ("" or absent: none)
 --
--- Returns 1 when applied; 0 when stale: a newer request won, or one with the same seq did
--- (a delete, or another request: at equal seq only a duplicate of the winner re-applies,
--- so a request that lost can never apply later and its producer can be told so).
+-- Returns 1 when applied (or applied again: a duplicate of the request the fence names);
+-- 0 when stale: the fence holds a request ordered after this one (store/ordering.py: by
+-- seq, then a delete over a save, then the request id byte by byte), so a request that lost
+-- can never apply later and its producer can be told so. A fence set by a lapsed save
+-- (deleted = '2') ranks as a save.
 -- A staged save whose staging key is gone (its SET was refused, or it expired before the
 -- call ran) changes nothing and fails with an error, so that the caller retries it.
+local function before(a, b) -- a < b byte by byte (Lua's < follows the server's locale)
+  local i = 1
+  while i <= #a and i <= #b and a:byte(i) == b:byte(i) do i = i + 1 end
+  return (b:byte(i) or -1) > (a:byte(i) or -1)
+end
 local req = ARGV[7] or ''
 local staged = KEYS[4]
 local last = redis.call('HMGET', KEYS[2], 'seq', 'deleted', 'req')
 if last[1] then
-  local seq, last_seq = tonumber(ARGV[1]), tonumber(last[1])
-  if seq < last_seq or (seq == last_seq and (last[2] == '1' or (last[3] or '') ~= req)) then
+  local seq, last_seq, last_req = tonumber(ARGV[1]), tonumber(last[1]), last[3] or ''
+  if seq < last_seq or (seq == last_seq and (last[2] == '1' or before(req, last_req))) then
     if staged then
       redis.call('DEL', staged)
     end

@@ -31,36 +31,49 @@ def test_load_with_fence_returns_the_value_and_the_fence_together(store: Checkpo
     assert store.load_with_fence("never") == (None, None)
 
 
-def test_another_save_with_the_fences_seq_is_stale_but_a_duplicate_reapplies(
+def test_saves_stamped_alike_are_ordered_by_request_id_in_either_arrival_order(
     store: CheckpointStore,
 ) -> None:
-    # Given a save applied at seq 10 by request "a"
-    store.save(make_checkpoint("s1", version=1), seq=10, request_id="a")
-    # When another request stamped alike arrives, then the same request again
-    other = store.save(make_checkpoint("s1", version=2), seq=10, request_id="b")
-    duplicate = store.save(make_checkpoint("s1", version=1), seq=10, request_id="a")
-    # Then the other lost (so its producer can be told it was superseded) and the
-    # duplicate is harmless
+    # Given a save applied at seq 10 by request "b"
+    store.save(make_checkpoint("s1", version=2), seq=10, request_id="b")
+    # When request "a", stamped alike, arrives later, then "b" again
+    other = store.save(make_checkpoint("s1", version=1), seq=10, request_id="a")
+    duplicate = store.save(make_checkpoint("s1", version=2), seq=10, request_id="b")
+    # Then "a" lost to the request ordered after it (so its producer can be told it was
+    # superseded) and the duplicate is harmless
     assert not other.applied and duplicate.applied
     loaded = store.load("s1")
-    assert loaded is not None and loaded.version == 1
-    assert store.fence("s1") == Fence(10, False, "a", live=True)
+    assert loaded is not None and loaded.version == 2
+    assert store.fence("s1") == Fence(10, False, "b", live=True)
+    # And in the other arrival order the end is the same: "b" wins over "a"
+    store.save(make_checkpoint("s2", version=1), seq=10, request_id="a")
+    assert store.save(make_checkpoint("s2", version=2), seq=10, request_id="b").applied
+    assert store.fence("s2") == Fence(10, False, "b", live=True)
+
+
+def test_request_ids_are_ordered_byte_by_byte(store: CheckpointStore) -> None:
+    # "Z" (0x5a) sorts before "a" (0x61) and a prefix before its extensions, whatever the
+    # locale of the Redis server (whose Lua compares strings with strcoll)
+    store.save(make_checkpoint("s1", version=1), seq=10, request_id="a")
+    assert not store.save(make_checkpoint("s1", version=2), seq=10, request_id="Z").applied
+    assert store.save(make_checkpoint("s1", version=3), seq=10, request_id="ab").applied
+    assert not store.save(make_checkpoint("s1", version=4), seq=10, request_id="a-b").applied
+    assert store.fence("s1") == Fence(10, False, "ab", live=True)
 
 
 def test_a_delete_still_wins_a_tie_with_another_requests_save(store: CheckpointStore) -> None:
-    store.save(make_checkpoint("s1"), seq=10, request_id="a")
+    store.save(make_checkpoint("s1"), seq=10, request_id="z")
     assert store.delete("s1", seq=10, request_id="b")
-    assert not store.save(make_checkpoint("s1"), seq=10, request_id="a").applied
+    assert not store.save(make_checkpoint("s1"), seq=10, request_id="z").applied
     assert store.fence("s1") == Fence(10, True, "b")
 
 
-def test_a_second_delete_with_the_same_seq_is_stale_unless_a_duplicate(
-    store: CheckpointStore,
-) -> None:
-    assert store.delete("s1", seq=10, request_id="a")
-    assert not store.delete("s1", seq=10, request_id="b")
-    assert store.delete("s1", seq=10, request_id="a")
-    assert store.fence("s1") == Fence(10, True, "a")
+def test_deletes_stamped_alike_are_ordered_by_request_id(store: CheckpointStore) -> None:
+    assert store.delete("s1", seq=10, request_id="b")
+    assert not store.delete("s1", seq=10, request_id="a")
+    assert store.delete("s1", seq=10, request_id="b")
+    assert store.delete("s1", seq=10, request_id="c")
+    assert store.fence("s1") == Fence(10, True, "c")
 
 
 def test_batch_items_carry_their_own_request_ids(store: CheckpointStore) -> None:
@@ -71,6 +84,6 @@ def test_batch_items_carry_their_own_request_ids(store: CheckpointStore) -> None
             DeleteOp("s2", 5, "t:2"),
         ]
     )
-    assert [getattr(r, "applied", r) for r in results] == [True, False, True]
-    assert store.fence("s1") == Fence(10, False, "t:0", live=True)
+    assert [getattr(r, "applied", r) for r in results] == [True, True, True]
+    assert store.fence("s1") == Fence(10, False, "t:1", live=True)
     assert store.fence("s2") == Fence(5, True, "t:2")
