@@ -118,9 +118,13 @@ def _pending_memory(server: RedisServer) -> PendingMemory:
         handles = [client.save(make_checkpoint(f"mem{i}", SIZE)) for i in range(1000)]
         keys = client.pending_records.keys if client.pending_records else None
         assert keys is not None, "a Redis broker has pending records"
-        records = [int(raw.memory_usage(keys.pending(f"mem{i}")) or 0) for i in range(1000)]
+        records = [
+            int(raw.memory_usage(keys.pending_requests(f"mem{i}")) or 0) for i in range(1000)
+        ]
         index = int(raw.memory_usage(keys.pending_index()) or 0)
-        values = [int(raw.memory_usage(keys.pending_value(h.task_id)) or 0) for h in handles]
+        values = [
+            int(raw.memory_usage(keys.pending_value(h.session_id, h.task_id)) or 0) for h in handles
+        ]
         queue = int(raw.memory_usage(QUEUE, samples=0) or 0)
         raw.delete(QUEUE)
     finally:

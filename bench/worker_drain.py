@@ -112,18 +112,19 @@ class Staged:
     #: Saves each message carries (``apply_batch`` messages carry many).
     saves_per_message: int
     envelope_bytes: int
-    #: (session id, seq) of each single save: the pending record our producers would have
-    #: written with it, restored before each release so that every worker settles them.
-    records: tuple[tuple[str, int], ...] = ()
-    #: Staged saves (``checkpoint.save_staged``): each message's task id and staged value,
-    #: restored before each release as our producers would have written them.
-    values: tuple[tuple[str, bytes], ...] = ()
+    #: (session id, seq, task id) of each single save: the pending entry our producers
+    #: would have written with it, restored before each release so that every worker
+    #: settles them.
+    records: tuple[tuple[str, int, str], ...] = ()
+    #: Staged saves (``checkpoint.save_staged``): each message's session id, task id and
+    #: staged value, restored before each release as our producers would have written them.
+    values: tuple[tuple[str, str, bytes], ...] = ()
 
     def release_and_time_drain(self, client: redis.Redis) -> float:
         """Copy the messages onto the queue at once; seconds from then until the queue is
         empty with nothing left unacknowledged (the idle worker waits in BRPOP: it takes the
         first message at once)."""
-        _write_records(client, self.records, [task_id for task_id, _ in self.values])
+        _write_records(client, self.records, bool(self.values))
         _write_values(client, self.values)
         client.copy(self.key, STAGING, replace=True)
         start = time.perf_counter()
@@ -208,11 +209,11 @@ def stage(
     client.delete(key)
     pipe = client.pipeline(transaction=False)
     total = 0
-    values: list[tuple[str, bytes]] = []
+    values: list[tuple[str, str, bytes]] = []
     for i in range(messages):
+        task_id = f"bench-{tag}-{i}"
         if staged:
-            task_id = f"bench-{tag}-{i}"
-            values.append((task_id, _renamed(documents[i % 16], f"{tag}-{i}")))
+            values.append((f"{tag}-{i}", task_id, _renamed(documents[i % 16], f"{tag}-{i}")))
             body = contract.save_staged_body(f'"{tag}-{i}"'.encode(), 1_000 + i)
             envelope = protocol2(contract.SAVE_STAGED, [], body=body, queue=QUEUE, task_id=task_id)
         elif per_message:
@@ -227,18 +228,24 @@ def stage(
             document = _renamed(documents[i % 16], f"{tag}-{i}")
             prefix, suffix = contract.save_body_framing(1_000 + i)
             zstd_body = enclose(codec.encode(document), prefix, suffix)
-            envelope = protocol2(task, [], body=zstd_body, queue=QUEUE, compression=contract.ZSTD)
+            envelope = protocol2(
+                task, [], body=zstd_body, queue=QUEUE, compression=contract.ZSTD, task_id=task_id
+            )
         else:
             document = _renamed(documents[i % 16], f"{tag}-{i}")
             envelope = protocol2(
-                task, [], body=contract.save_body(document, 1_000 + i), queue=QUEUE
+                task, [], body=contract.save_body(document, 1_000 + i), queue=QUEUE, task_id=task_id
             )
         total += len(envelope)
         pipe.rpush(key, envelope)
         if i % 200 == 199:
             pipe.execute()
     pipe.execute()
-    records = () if per_message else tuple((f"{tag}-{i}", 1_000 + i) for i in range(messages))
+    records = (
+        ()
+        if per_message
+        else tuple((f"{tag}-{i}", 1_000 + i, f"bench-{tag}-{i}") for i in range(messages))
+    )
     return Staged(key, messages, max(1, per_message), total, records, tuple(values))
 
 
@@ -247,32 +254,29 @@ _RECORD_VALUE = b"v" * 9_000
 
 
 def _write_records(
-    client: redis.Redis, records: tuple[tuple[str, int], ...], staged: list[str]
+    client: redis.Redis, records: tuple[tuple[str, int, str], ...], staged: bool
 ) -> None:
-    """The pending records (tasks/producer/pending.py) of ``records``, as publish.lua
-    leaves them: a hash per session and its index entry; ``staged``: the staged saves'
-    task ids, in the same order, whose records name their values."""
+    """The pending entries (tasks/producer/pending.py) of ``records``, as publish.lua
+    leaves them: an entry per request in its session's hash, a plain save's value beside
+    it (``staged``: the values are the staged ones, ``_write_values``), an index entry."""
     keys = KeySpace()
     pipe = client.pipeline(transaction=False)
-    for n, (session_id, seq) in enumerate(records):
-        record: dict[str, object] = {"seq": seq, "op": "save"}
-        if staged:
-            record |= {"req": staged[n], "staged": keys.pending_value(staged[n])}
-        else:
-            record |= {"req": f"bench-{n}", "value": _RECORD_VALUE}
-        pipe.hset(keys.pending(session_id), mapping=record)  # type: ignore[arg-type]
+    for n, (session_id, seq, task_id) in enumerate(records):
+        pipe.hset(keys.pending_requests(session_id), task_id, f"{seq} save")
+        if not staged:
+            pipe.set(keys.pending_value(session_id, task_id), _RECORD_VALUE, px=3_600_000)
         pipe.zadd(keys.pending_index(), {session_id: 2**50})
         if n % 200 == 199:
             pipe.execute()
     pipe.execute()
 
 
-def _write_values(client: redis.Redis, values: tuple[tuple[str, bytes], ...]) -> None:
+def _write_values(client: redis.Redis, values: tuple[tuple[str, str, bytes], ...]) -> None:
     """Staged saves' values, as our producers SET them (the worker deletes each it settles)."""
     keys = KeySpace()
     pipe = client.pipeline(transaction=False)
-    for n, (task_id, value) in enumerate(values):
-        pipe.set(keys.pending_value(task_id), value, px=3_600_000)
+    for n, (session_id, task_id, value) in enumerate(values):
+        pipe.set(keys.pending_value(session_id, task_id), value, px=3_600_000)
         if n % 200 == 199:
             pipe.execute()
     pipe.execute()

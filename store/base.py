@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import orjson
+
 from checkpointq.store.codec import DEFAULT_MAX_DECOMPRESSED, ZSTD_MAGIC, CodecError, ValueCodec
 from checkpointq.store.errors import (
     CheckpointTooLarge,
@@ -163,6 +165,21 @@ class Refusal:
     kind: str
     reason: str
     entry: str
+
+    def encode(self) -> bytes:
+        """The refusal record as its session's refusals hash keeps it (JSON: Go reads it)."""
+        return orjson.dumps({"kind": self.kind, "reason": self.reason, "entry": self.entry})
+
+    @classmethod
+    def decode(cls, raw: bytes | str | None) -> Refusal | None:
+        """A record as ``encode`` wrote it; None for none (or one that does not parse)."""
+        if raw is None:
+            return None
+        try:
+            fields = orjson.loads(raw)
+            return cls(str(fields["kind"]), str(fields["reason"]), str(fields["entry"]))
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,7 +79,7 @@ class KeySpace:
         agentorca-session.cq:deadlines      sorted set: session id -> deadline (ms since epoch)
         agentorca-session.cq:sweep-lock     short lock held by one sweep at a time
         agentorca-session.cq:dead-letters   stream of requests that could not be applied
-        agentorca-session.cq:refused:<req>  hash: why request <req> was dead-lettered, and where
+        agentorca-session.cq:refusals:<id>  hash: request id -> why it was dead-lettered, and where
         agentorca-session.cq:events         stream of expired and dropped session ids
         agentorca-session.cq:reconcile      hash: where the reconciliation pass stands
         agentorca-session.cq:sweep-hint     sorted set, cluster only: slot -> earliest deadline
@@ -89,8 +89,11 @@ class KeySpace:
     And on the **broker** (a single Redis, whatever the store is), the pending records our
     producers write with each push (docs/protocol.md, "Pending records")::
 
-        agentorca-session.cq:pending:<id>   hash: the newest request for <id> the queue may hold
-        agentorca-session.cq:pending        sorted set: session id -> record deadline (ms)
+        agentorca-session.cq:pending-requests:<id>      hash: request id -> "<seq> <op>", one
+                                                        per request for <id> the queue may hold
+        agentorca-session.cq:pending-value:<n>:<id>:<req>  a pending save's value (n: the
+                                                        length of <id> in bytes)
+        agentorca-session.cq:pending        sorted set: session id -> its latest deadline (ms)
         agentorca-session.cq:pending-epoch  a token that changes only when the broker lost it all
     """
 
@@ -146,10 +149,13 @@ class KeySpace:
     def events(self) -> str:
         return f"{self._internal}:events"
 
-    def refused(self, request_id: str) -> str:
-        """A dead-lettered request's refusal record (kind, reason, entry), by request id, so
-        that its producer learns it was refused (short-lived: see ``DeadLetters``)."""
-        return f"{self._internal}:refused:{request_id}"
+    def refusals(self, session_id: str) -> str:
+        """The session's refusal records: a hash of request id -> the JSON of its dead
+        letter's kind, reason and entry, so that a producer learns its request was refused
+        (short-lived: see ``DeadLetters``). By session, so that a request id names nothing
+        outside its session: a message for another session carrying the same id (a faulty
+        or hostile producer) cannot make a request look refused."""
+        return f"{self._internal}:refusals:{session_id}"
 
     def reconcile_cursor(self) -> str:
         """Where the reconciliation pass stands (phase, node or shard, cursor), shared by
@@ -193,13 +199,31 @@ class KeySpace:
     # The pending records live on the broker, a single Redis even when the store is a
     # cluster: the same names in every layout, and no hash tags.
 
+    def pending_requests(self, session_id: str) -> str:
+        """The session's pending entries, on the broker: request id -> "<seq> <op>", one
+        per request the queue may still hold."""
+        return f"{self._internal}:pending-requests:{session_id}"
+
+    def pending_value_prefix(self, session_id: str) -> str:
+        """What a pending save's value key is named by, before its request id: the session
+        id comes with its length, so no (session, request) pair names another's value."""
+        return f"{self._internal}:pending-value:{len(session_id.encode())}:{session_id}:"
+
+    def pending_value(self, session_id: str, request_id: str) -> str:
+        """A pending save's value, on the broker: a staged save's producer writes it before
+        its message, a plain save's publish script with it; the worker deletes it on
+        settling the request."""
+        return f"{self.pending_value_prefix(session_id)}{request_id}"
+
     def pending(self, session_id: str) -> str:
-        """The session's pending record, on the broker."""
+        """The session's record in the layout before issue 31 (one hash per session, the
+        newest request only), which producers of that release write: loads still read it
+        and workers still settle it."""
         return f"{self._internal}:pending:{session_id}"
 
-    def pending_value(self, request_id: str) -> str:
-        """A staged save's value, on the broker, named by its request (task) id: the
-        producer writes it with the message, the worker reads it and deletes it on settling."""
+    def legacy_pending_value(self, request_id: str) -> str:
+        """A staged save's value in the layout before issue 31, named by request id alone:
+        read by the worker only when it holds the request's own session's checkpoint."""
         return f"{self._internal}:pending-value:{request_id}"
 
     def pending_index(self) -> str:
@@ -232,6 +256,7 @@ class ClusterKeySpace(KeySpace):
         agentorca-session.cq:{<tag>}:fence:<id>       its fence hash
         agentorca-session.cq:{<tag>}:slot-deadlines   deadline index of the slot's sessions
         agentorca-session.cq:{<tag>}:staging:<rnd>    a staged value (see ``staging``)
+        agentorca-session.cq:{<tag>}:refusals:<id>    its refusal records
 
     The tag comes first in a bookkeeping key, the prefix holds no braces and the tag is
     digits, so Redis hashes our tag whatever the id holds. There is one deadline index per
@@ -262,6 +287,9 @@ class ClusterKeySpace(KeySpace):
 
     def staging(self, session_id: str, token: str) -> str:
         return f"{self._internal}:{self.tag(self.shard(session_id))}:staging:{token}"
+
+    def refusals(self, session_id: str) -> str:
+        return f"{self._internal}:{self.tag(self.shard(session_id))}:refusals:{session_id}"
 
     def slot_index(self, slot: int) -> str:
         """The deadline index of the sessions whose data keys hash to ``slot``."""

@@ -552,16 +552,15 @@ class RedisStore(CheckpointStore):
     def request_outcome(
         self, session_id: str, request_id: str
     ) -> tuple[Fence | None, Refusal | None]:
-        """The fence and the request's refusal record, in one pipelined round trip (two
-        keys of different slots on a cluster, hence no script)."""
+        """The fence and the request's refusal record (in its session's refusals), in one
+        pipelined round trip."""
         self.check_session_id(session_id)
         with _store_errors(f"read outcome of {request_id!r}"):
             pipe = self.client.pipeline(transaction=False)
             pipe.hmget(self.keys.fence(session_id), *_FENCE_FIELDS)
-            pipe.hmget(self.keys.refused(request_id), "kind", "reason", "entry")
-            fence, (kind, reason, entry) = pipe.execute()
-        refusal = None if kind is None else Refusal(_text(kind), _text(reason), _text(entry))
-        return self.fence_from_reply(*fence), refusal
+            pipe.hget(self.keys.refusals(session_id), request_id)
+            fence, refusal = pipe.execute()
+        return self.fence_from_reply(*fence), Refusal.decode(refusal)
 
     def fence_from_reply(
         self,

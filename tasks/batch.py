@@ -27,7 +27,14 @@ from checkpointq.store.model import validate_session_id
 from checkpointq.store.serde import checkpoint_from_wire, dumps_go
 from checkpointq.tasks import observers, runtime
 from checkpointq.tasks.dead_letters import Reason
-from checkpointq.tasks.messages import APPLY_BATCH, DELETE, MAX_ITEMS, SAVE, save_outcome
+from checkpointq.tasks.messages import (
+    APPLY_BATCH,
+    DELETE,
+    MAX_ITEMS,
+    SAVE,
+    requested_session,
+    save_outcome,
+)
 from checkpointq.tasks.producer.pending import Settlement
 from checkpointq.tasks.refusals import refuse
 from checkpointq.tasks.seq import accepted_seq
@@ -84,6 +91,29 @@ def item_outcome(op: BatchOp, result: SaveResult | bool) -> Outcome:
     return {"outcome": "deleted" if result else "stale", "session_id": session_id, "seq": op.seq}
 
 
+def _item_request(
+    task: str, args: list[Any], kwargs: dict[str, Any], request_id: str
+) -> list[tuple[str, str]]:
+    """A bad item's (session id, request id), for its refusal record, if its session reads."""
+    session_id = requested_session(task, args, kwargs)
+    return [(session_id, request_id)] if session_id and request_id else []
+
+
+def batch_requests(
+    task_id: str | None, args: list[Any] | tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[tuple[str, str]]:
+    """Every item of a batch refused whole whose session reads, as (session id, request id):
+    each gets a refusal record, so the producers waiting on them learn it."""
+    items = args[0] if args else kwargs.get("items")
+    if not isinstance(items, list) or not task_id:
+        return []
+    requests: list[tuple[str, str]] = []
+    for position, item in enumerate(items[:MAX_ITEMS]):
+        name, item_args, item_kwargs = _as_request(item)
+        requests += _item_request(name, item_args, item_kwargs, item_request_id(task_id, position))
+    return requests
+
+
 def _seq(seq: object) -> int | None:
     return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
 
@@ -105,22 +135,21 @@ def _notify(task_id: str | None, label: str, outcome: Outcome, seq: object) -> N
     )
 
 
-def _settle_items(rt: runtime.Runtime, items: list[Any], outcomes: list[Outcome | None]) -> None:
-    """Remove the settled items' pending records, in one call to the broker."""
-    if rt.pending is None:
+def _settle_items(
+    rt: runtime.Runtime, task_id: str | None, items: list[Any], outcomes: list[Outcome | None]
+) -> None:
+    """Remove the settled items' pending entries, in one call to the broker."""
+    if rt.pending is None or not task_id:
         return
     settled: list[Settlement] = []
-    for item, outcome in zip(items, outcomes, strict=True):
-        seq = _seq(item.get("seq")) if isinstance(item, dict) else None
-        if outcome is None or seq is None:
+    for position, (item, outcome) in enumerate(zip(items, outcomes, strict=True)):
+        if outcome is None:
             continue
         session_id = outcome.get("session_id")
-        if session_id is None and isinstance(item, dict):  # dead-lettered: the item's own id
-            target = item.get("checkpoint") if item.get("op") == "save" else item
-            key = "sessionId" if item.get("op") == "save" else "session_id"
-            session_id = target.get(key) if isinstance(target, dict) else None
+        if session_id is None:  # dead-lettered: the item's own id, read as its request's
+            session_id = requested_session(*_as_request(item))
         if isinstance(session_id, str) and session_id:
-            settled.append(Settlement(session_id, seq))
+            settled.append(Settlement(session_id, item_request_id(task_id, position)))
     rt.pending.settle(settled)
 
 
@@ -161,11 +190,11 @@ def apply_batch(task: Task, items: object) -> Outcome:
             kwargs=kwargs,
             raw=dumps_go(item),
             retries=task.request.retries or 0,
-            request_ids=[item_request_id(task.request.id, position)],
+            requests=_item_request(name, args, kwargs, item_request_id(task.request.id, position)),
             seq=_seq(item.get("seq") if isinstance(item, dict) else None),
         )
         outcomes[position] = {"outcome": "dead_lettered", "kind": "invalid_input", "entry": entry}
-    _settle_items(rt, items, outcomes)
+    _settle_items(rt, task.request.id, items, outcomes)
     counts: dict[str, int] = {}
     for position, outcome in enumerate(outcomes):
         if outcome is None:  # every position got an outcome above; keeps mypy honest

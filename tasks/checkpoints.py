@@ -76,20 +76,30 @@ def save_staged(task: Task, session_id: object, seq: object, trimmed: object = 0
     """Apply a save whose value its producer staged on the broker (``tasks/staged.py``)."""
     rt = runtime.current()
     request = staged.request(session_id, seq, trimmed, task.request.id or "")
+    if rt.store.lapsed(request.seq, _now_ms(rt)):
+        # Past its deadline: never stored, whether or not its value is still there.
+        rt.store.lapse(request.session_id, request.seq, request.request_id)
+        return {"outcome": "expired", "session_id": request.session_id, "seq": request.seq}
     try:
-        (value,) = staged.fetch(rt.pending, [request.request_id], rt.max_message_bytes)
+        (found,) = staged.fetch(rt.pending, [request], rt.max_message_bytes)
     except RedisError as exc:
         raise StoreUnavailable(f"could not read the staged value from the broker: {exc}") from exc
-    if value is None:
+    if found is None:
         if staged.settled_before(rt.store, request):
             return {"outcome": "stale", "session_id": request.session_id, "seq": request.seq}
         raise staged.lost(request)
-    op = staged.save_op(rt.store, request, value, rt.max_message_bytes)
+    op = staged.save_op(rt.store, request, found.value, rt.max_message_bytes)
+    # The value holds this session's checkpoint (save_op checked): its settle may delete it.
+    task.request.checkpointq_staged_legacy = found.legacy
     (result,) = rt.store.apply_batch([op])
     if isinstance(result, InvalidInput):
         raise result
     assert isinstance(result, SaveResult)  # a save's result, or its refusal above
     return save_outcome(result)
+
+
+def _now_ms(rt: runtime.Runtime) -> int:
+    return int(rt.store.clock() * 1000)
 
 
 def delete(task: Task, session_id: object, seq: int | None = None) -> Outcome:
@@ -179,6 +189,7 @@ def _dead_letter(
 ) -> Outcome:
     """Refuse the request (``refusals.refuse``: recorded, then observed)."""
     label = observers.task_label(task.name)
+    session_id = messages.requested_session(task.name, args, kwargs)
     name, args, kwargs = _as_sent(task, args, kwargs)
     entry = refuse(
         kind,
@@ -191,9 +202,24 @@ def _dead_letter(
         # directly has none: the JSON of its arguments is kept instead).
         raw=getattr(task.request, messages.RAW_BODY_FIELD, None),
         retries=task.request.retries or 0,
+        requests=_refused_requests(task.name, task.request.id, session_id, args, kwargs),
         seq=requested_seq(args, kwargs) if label in ("save", "delete") else None,
     )
     return {"outcome": "dead_lettered", "kind": kind.value, "entry": entry}
+
+
+def _refused_requests(
+    task: str,
+    task_id: str | None,
+    session_id: str | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> list[tuple[str, str]]:
+    """The (session id, request id) of each request a dead letter refuses: the request's
+    own, or every item's of a batch refused whole."""
+    if task == messages.APPLY_BATCH:
+        return batch.batch_requests(task_id, args, kwargs)
+    return [(session_id, task_id)] if session_id and task_id else []
 
 
 def _as_sent(
@@ -201,21 +227,32 @@ def _as_sent(
 ) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
     """The request a dead letter keeps: a staged save as the plain ``checkpoint.save`` of
     its staged value (so that it replays with its checkpoint, whose staged copy goes when
-    the request settles), every other request as it came."""
+    the request settles), every other request as it came. A value that is not this
+    session's checkpoint is never kept as this request's (nor deleted with it)."""
     if task.name != SAVE_STAGED:
         return task.name, args, kwargs
     rt = runtime.current()
+    # Read leniently: the request may be refused for its arguments (its seq, say).
+    session_id = messages.requested_session(task.name, args, kwargs)
     seq = requested_seq(args, kwargs) if args else kwargs.get("seq")
+    if session_id is None or not task.request.id:
+        return task.name, args, kwargs
+    request = staged.StagedSave(session_id, seq if isinstance(seq, int) else 0, task.request.id)
     limit = rt.max_message_bytes
     try:
-        (value,) = staged.fetch(rt.pending, [task.request.id], limit) if task.request.id else [None]
+        (found,) = staged.fetch(rt.pending, [request], limit)
     except RedisError as exc:
         # Retried as any dead letter that could not be written: never one without its value.
         raise StoreUnavailable(f"could not read the staged value from the broker: {exc}") from exc
-    checkpoint = None if value is None or len(value) > limit else staged.expanded(rt.store, value)
-    if checkpoint is None:
+    checkpoint = None
+    if found is not None and len(found.value) <= limit:
+        checkpoint = staged.expanded(rt.store, request, found.value)
+    if found is None or checkpoint is None:
+        # Undecodable, oversize or another session's: it stays on the broker, for people to
+        # look at, until its deadline (a value of the earlier layout is never deleted then).
+        task.request.checkpointq_staged_keep = found is not None
         return task.name, args, kwargs
-    task.request.checkpointq_staged_kept = True  # the value may go: its dead letter has it
+    task.request.checkpointq_staged_legacy = found.legacy
     return SAVE, tuple(checkpoint), {"seq": seq}
 
 
@@ -248,8 +285,8 @@ def _observe(
     )
 
 
-#: Outcomes after which a request is settled: its pending record is no longer needed.
-_SETTLED = frozenset({"applied", "stale", "deleted", "dead_lettered"})
+#: Outcomes after which a request is settled: its pending entry is no longer needed.
+_SETTLED = frozenset({"applied", "stale", "expired", "deleted", "dead_lettered"})
 
 
 #: The tasks whose requests our producers write pending records for.
@@ -257,29 +294,32 @@ _RECORDED = frozenset({SAVE, SAVE_STAGED, DELETE})
 
 
 def _settle_record(
-    task: str,
-    outcome: Outcome,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    staged_id: str = "",
+    task: Task, outcome: Outcome, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> None:
-    """Remove a settled save's or delete's pending record (and older ones), one call to
-    the broker (``pending.Settler``; a batch settles its items itself)."""
+    """Remove a settled save's or delete's pending entry (and its value), one call to the
+    broker (``pending.Settler``; a batch settles its items itself)."""
     settler = runtime.current().pending
-    if settler is None or task not in _RECORDED or outcome.get("outcome") not in _SETTLED:
+    name, request_id = task.name, task.request.id
+    if settler is None or name not in _RECORDED or outcome.get("outcome") not in _SETTLED:
         return
-    seq = outcome.get("seq") if outcome.get("outcome") != "dead_lettered" else None
-    seq = seq if isinstance(seq, int) else requested_seq(args, kwargs)
-    target = args[0] if args else kwargs.get("session_id")
-    session_id = target.get("sessionId") if isinstance(target, dict) else target
-    if seq is None or not isinstance(session_id, str):
+    session_id = messages.requested_session(name, args, kwargs)
+    if session_id is None or not request_id:
         return
     try:
         validate_session_id(session_id)
     except InvalidInput:
         return  # no producer of ours wrote a record for it
-    # A staged save's value goes too: applied, superseded, or kept in its dead letter.
-    settler.settle([Settlement(session_id, seq, staged_id)])
+    request = task.request
+    settler.settle(
+        [
+            Settlement(
+                session_id,
+                request_id,
+                keep_value=getattr(request, "checkpointq_staged_keep", False),
+                legacy_staged=getattr(request, "checkpointq_staged_legacy", False),
+            )
+        ]
+    )
 
 
 def _keep_raw_body_to_ourselves(request: Any) -> None:
@@ -343,16 +383,8 @@ class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
             reason = f"{type(exc).__name__}: {exc}"
             outcome = _dead_letter(self, Reason.FAILED, reason, args, kwargs)
         _observe(self, outcome, started, args, kwargs)
-        _settle_record(self.name, outcome, args, kwargs, self._staged_value_id(outcome))
+        _settle_record(self, outcome, args, kwargs)
         return outcome
-
-    def _staged_value_id(self, outcome: Outcome) -> str:
-        """A settled staged save's request id, whose value then goes: unless it was
-        dead-lettered without it (the value was missing, oversize or undecodable)."""
-        if self.name != SAVE_STAGED or not self.request.id:
-            return ""
-        kept = getattr(self.request, "checkpointq_staged_kept", False)
-        return self.request.id if outcome.get("outcome") != "dead_lettered" or kept else ""
 
     def _ride_out(
         self, exc: StoreUnavailable, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -23,7 +23,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from checkpointq.store.base import BatchOp, DeleteOp, SaveOp
+from checkpointq.store.base import BatchOp, DeleteOp, LapseOp, SaveOp
 from checkpointq.store.errors import InvalidInput
 from checkpointq.store.model import validate_session_id
 from checkpointq.store.serde import checkpoint_from_wire
@@ -38,8 +38,8 @@ from checkpointq.tasks.staged import StagedSave
 #: message headers, delivery_info).
 Request = tuple[str, str, bytes, dict[str, Any], dict[str, Any]]
 
-#: A request now durable, as the main process needs it to settle its pending record: its
-#: session id, the seq it was applied or superseded at, and a staged save's request id.
+#: A request now settled, as the main process needs it to settle its pending entry: its
+#: session id and request id (``pending.Settlement``).
 Settled = Settlement
 
 _NAMES = {messages.SAVE: "checkpoint", messages.DELETE: "session_id"}
@@ -97,12 +97,20 @@ def _parse_all(requests: list[Request]) -> list[_Parsed]:
     return parsed
 
 
-def _resolve(
-    rt: runtime.Runtime, parsed: list[_Parsed]
-) -> list[tuple[int, BatchOp, list[Any], dict[str, Any]]]:
+#: A request resolved to its store operation: its position in the group, the operation, its
+#: arguments, and whether its staged value is of the earlier layout (``staged.StagedValue``).
+_Resolved = tuple[int, BatchOp, list[Any], dict[str, Any], bool]
+
+
+def _resolve(rt: runtime.Runtime, parsed: list[_Parsed]) -> list[_Resolved]:
     """The parsed requests as store operations, staged saves with their values (read in one
-    round trip); a staged save without a usable value is left out, to the task path."""
-    stage = [p[1] for p in parsed if isinstance(p[1], StagedSave)]
+    round trip); a staged save past its deadline lapses unread; one without a usable value
+    is left out, to the task path."""
+    now_ms = int(rt.store.clock() * 1000)
+    lapsed = {
+        p[0] for p in parsed if isinstance(p[1], StagedSave) and rt.store.lapsed(p[1].seq, now_ms)
+    }
+    stage = [p[1] for p in parsed if isinstance(p[1], StagedSave) and p[0] not in lapsed]
     # Each value is read up to its share of the group's byte budget: a larger one goes to
     # the task path, which reads it alone, so a pool process holds a group's values within
     # the budget whatever their sizes (as the prefetch budget bounds carried checkpoints).
@@ -111,22 +119,22 @@ def _resolve(
         min(rt.max_message_bytes, max(share, MIN_VALUE_SHARE)) if share else rt.max_message_bytes
     )
     try:
-        values = iter(staged.fetch(rt.pending, [s.request_id for s in stage], limit))
+        values = iter(staged.fetch(rt.pending, stage, limit))
     except RedisError:
         values = iter([None] * len(stage))  # the task path retries them
-    resolved: list[tuple[int, BatchOp, list[Any], dict[str, Any]]] = []
+    resolved: list[_Resolved] = []
     for position, request, args, kwargs in parsed:
-        if isinstance(request, StagedSave):
-            value = next(values)
-            if value is None:
-                continue
+        if not isinstance(request, StagedSave):
+            resolved.append((position, request, args, kwargs, False))
+        elif position in lapsed:
+            lapse = LapseOp(request.session_id, request.seq, request.request_id)
+            resolved.append((position, lapse, args, kwargs, False))
+        elif (found := next(values)) is not None:
             try:
-                op = staged.save_op(rt.store, request, value, limit)
-                resolved.append((position, op, args, kwargs))
+                save = staged.save_op(rt.store, request, found.value, limit)
             except InvalidInput:
                 continue
-        else:
-            resolved.append((position, request, args, kwargs))
+            resolved.append((position, save, args, kwargs, found.legacy))
     return resolved
 
 
@@ -148,9 +156,12 @@ def apply_requests(requests: list[Request]) -> list[Settled | None]:
     positions: list[int] = []
     #: Each parsed request's arguments, kept only if a signal handler listens.
     arguments: list[tuple[list[Any], dict[str, Any]]] | None = [] if wanted() else None
-    for position, op, args, kwargs in _resolve(rt, _parse_all(requests)):
+    legacy: set[int] = set()
+    for position, op, args, kwargs, legacy_value in _resolve(rt, _parse_all(requests)):
         ops.append(op)
         positions.append(position)
+        if legacy_value:
+            legacy.add(position)
         if arguments is not None:
             arguments.append((args, kwargs))
     done: list[Settled | None] = [None] * len(requests)
@@ -163,11 +174,8 @@ def apply_requests(requests: list[Request]) -> list[Settled | None]:
             continue
         outcome = batch.item_outcome(op, result)
         task, task_id = requests[position][:2]
-        # A request sent without a seq was stamped by the store: 0 settles no record.
         done[position] = Settlement(
-            str(outcome["session_id"]),
-            int(outcome.get("seq") or 0),
-            task_id if task == messages.SAVE_STAGED else "",
+            str(outcome["session_id"]), task_id, legacy_staged=position in legacy
         )
         _observe(task, task_id, outcome, op.seq, seconds)
         if arguments is not None:

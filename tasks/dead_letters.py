@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from redis import exceptions as redis_errors
 
+from checkpointq.store.base import Refusal
 from checkpointq.store.keys import KeySpace
 from checkpointq.tasks.errors import NotFound, NotReplayable, redis_unavailable
 
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 #: Bytes of an oversize body kept in its dead letter: enough to identify the request.
 OVERSIZE_SAMPLE_BYTES = 64 * 1024
 
-#: How long a refusal record (``KeySpace.refused``) tells a waiting producer that its request
+#: How long a refusal record (``KeySpace.refusals``) tells a waiting producer that its request
 #: was dead-lettered: as long as a tombstone lasts by default, far longer than anyone waits.
 REFUSAL_TTL_SECONDS = 24 * 60 * 60
 
@@ -132,15 +133,17 @@ class DeadLetters:
         raw: bytes | str | None = None,
         headers: dict[str, Any] | None = None,
         retries: int = 0,
-        request_ids: Sequence[str] | None = None,
+        requests: Sequence[tuple[str, str]] = (),
         raw_bytes: int | None = None,
     ) -> str:
         """Append an entry and return its id.
 
         ``raw_bytes``: the size of the whole body when ``raw`` is only a sample of it.
 
-        Each of ``request_ids`` (default: ``task_id``) also gets a refusal record, so that
-        a producer waiting on that request learns it was refused (and why) at once.
+        Each of ``requests`` (session id, request id) also gets a refusal record, so that a
+        producer waiting on that request learns it was refused (and why) at once. A request
+        whose session cannot be read (a body that does not decode) gets none: its producer's
+        wait times out, and no message can make another session's request look refused.
 
         Raises:
             StoreUnavailable: the store Redis cannot be written; ``add`` has then logged the
@@ -182,27 +185,27 @@ class DeadLetters:
         logger.warning(
             "dead-lettered %s [%s] as %s: %s (entry %s)", task, task_id, kind.value, reason, entry
         )
-        ids = [task_id] if request_ids is None and task_id else list(request_ids or ())
-        if ids:
-            self._record_refusals(ids, kind, reason, entry)
+        if requests:
+            self._record_refusals(requests, kind, reason, entry)
         return entry
 
     def _record_refusals(
-        self, request_ids: list[str], kind: Reason, reason: str, entry: str
+        self, requests: Sequence[tuple[str, str]], kind: Reason, reason: str, entry: str
     ) -> None:
-        record = {"kind": kind.value, "reason": reason, "entry": entry}
+        record = Refusal(kind.value, reason, entry).encode()
         try:
             pipe = self.client.pipeline(transaction=False)
-            for request_id in request_ids:
-                key = self.keys.refused(request_id)
-                pipe.hset(key, mapping=record)
+            for session_id, request_id in requests:
+                key = self.keys.refusals(session_id)
+                pipe.hset(key, request_id, record)
                 pipe.expire(key, REFUSAL_TTL_SECONDS)
             pipe.execute()
         except (redis_errors.RedisError, redis_errors.RedisClusterException) as exc:
             # The dead letter itself is written: only the producer's early notice is lost
             # (its wait times out instead). Not worth a retry that would duplicate the entry.
+            ids = [request_id for _, request_id in requests]
             logger.warning(
-                "could not record the refusal of %s (dead letter %s): %s", request_ids, entry, exc
+                "could not record the refusal of %s (dead letter %s): %s", ids, entry, exc
             )
 
     def list(self, count: int = 100, cursor: str | None = None) -> DeadLetterPage:

@@ -7,11 +7,17 @@ from contextlib import contextmanager
 
 from redis import exceptions as redis_errors
 
-from checkpointq.store.errors import CheckpointError, StoreUnavailable
+from checkpointq.store.errors import CheckpointError, InvalidInput, StoreUnavailable
 
 
 class BrokerUnavailable(CheckpointError):
     """The broker could not be reached: to publish a request (after retries), or by a probe."""
+
+
+class SeqRefused(InvalidInput):
+    """The broker refused a request at publish: this producer's clock runs ahead of the
+    broker's, or the request's ``seq`` is too far ahead or already past its deadline. Nothing
+    was published; fix the clock (NTP), or the ``after=`` fence passed in."""
 
 
 class NotReplayable(CheckpointError):

@@ -166,6 +166,25 @@ def requested_seq(args: list[Any] | tuple[Any, ...], kwargs: dict[str, Any]) -> 
     return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
 
 
+def requested_session(
+    task: str | None, args: list[Any] | tuple[Any, ...], kwargs: dict[str, Any]
+) -> str | None:
+    """The session id a save, staged save or delete names, read leniently (the request may
+    be refused for its checkpoint, whose ``sessionId`` still names its session; keys match
+    ignoring case, as Go reads them); None when there is none to read."""
+    if task not in (SAVE, SAVE_STAGED, DELETE):
+        return None
+    if task == SAVE:
+        target = args[0] if args else kwargs.get("checkpoint")
+        if not isinstance(target, dict):
+            return None
+        found = [v for k, v in target.items() if isinstance(k, str) and k.lower() == "sessionid"]
+        target = found[0] if len(found) == 1 else None
+    else:
+        target = args[0] if args else kwargs.get("session_id")
+    return target if isinstance(target, str) and target else None
+
+
 def save_outcome(result: SaveResult) -> dict[str, Any]:
     """What a save task returns (its Celery result, which a waiting producer reads), and
     what a batch reports for each save item: the one place it is built. ``expired``: it

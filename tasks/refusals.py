@@ -32,7 +32,7 @@ def refuse(
     raw: bytes | str | None = None,
     headers: dict[str, Any] | None = None,
     retries: int = 0,
-    request_ids: Sequence[str] | None = None,
+    requests: Sequence[tuple[str, str]] = (),
     seq: int | None = None,
     raw_bytes: int | None = None,
 ) -> str:
@@ -54,7 +54,7 @@ def refuse(
         raw=raw,
         headers=headers,
         retries=retries,
-        request_ids=request_ids,
+        requests=requests,
         raw_bytes=raw_bytes,
     )
     observers.notify(

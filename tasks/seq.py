@@ -10,8 +10,6 @@ dead-lettered with the reason, to be replayed once the producer's clock is fixed
 
 from __future__ import annotations
 
-import time
-
 from checkpointq.store.base import validate_seq
 from checkpointq.store.errors import InvalidInput
 from checkpointq.tasks import runtime
@@ -27,8 +25,9 @@ def accepted_seq(value: object) -> int | None:
     if value is None:
         return None
     seq = validate_seq(value)
-    ahead = seq - time.time_ns() // 1000
-    limit = runtime.current().max_seq_ahead_us
+    rt = runtime.current()
+    ahead = seq - int(rt.store.clock() * 1_000_000)
+    limit = rt.max_seq_ahead_us
     if ahead > limit:
         raise InvalidInput(
             f"{seq} is {ahead / 1e6:,.0f} s ahead of this worker's clock (at most "

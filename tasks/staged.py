@@ -3,15 +3,18 @@ beside a message that only names it, so the checkpoint travels to the broker onc
 (docs/protocol.md, "Staged saves"). The worker reads the value by the request's id, applies it
 as the producer encoded it, and deletes it when it settles the request.
 
-A value that is gone means its request was settled already (a redelivery: the fence says so)
-or lost with the broker's data; only the second is refused, with the reason.
+A save past its deadline lapses without its value being read (``store.ordering``). Otherwise
+a value that is gone means its request was settled already (a redelivery: the fence says so)
+or lost (evicted, or with the broker's data); only the second is refused, with the reason.
+A value is read by (session, request) and deleted only by its own request's settle, so no
+message for another session carrying the same request id can read or delete it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -19,6 +22,7 @@ from checkpointq.store import redis_hooks
 from checkpointq.store.base import CheckpointStore, EncodedCheckpoint, SaveOp
 from checkpointq.store.errors import CorruptCheckpoint, InvalidInput
 from checkpointq.store.model import validate_session_id
+from checkpointq.tasks import messages
 from checkpointq.tasks.producer.pending import Settler
 from checkpointq.tasks.seq import accepted_seq
 
@@ -70,22 +74,45 @@ def request(session_id: object, seq: object, trimmed: object, request_id: str) -
     return StagedSave(sid, accepted, request_id, trimmed)
 
 
+class StagedValue(NamedTuple):
+    """A staged save's value as read from the broker (up to the byte limit asked for), and
+    whether it was found in the layout before issue 31, named by request id alone: then it
+    is this request's only if it holds this session's checkpoint (``save_op`` checks)."""
+
+    value: bytes
+    legacy: bool = False
+
+
 def fetch(
-    settler: Settler | None, request_ids: Sequence[str], max_bytes: int
-) -> list[bytes | None]:
-    """The staged value of each request id (None: not there), in one round trip to the
-    broker. Each is read only up to one byte past ``max_bytes`` (``GETRANGE``): a value
-    longer than ``max_bytes`` comes back that long, and is refused by ``save_op``
-    without the worker ever holding it whole.
+    settler: Settler | None, requests: Sequence[StagedSave], max_bytes: int
+) -> list[StagedValue | None]:
+    """Each request's staged value (None: not there), in one round trip to the broker (a
+    second for values of the earlier layout, where some are missing). Each is read only up
+    to one byte past ``max_bytes`` (``GETRANGE``): a value longer than ``max_bytes`` comes
+    back that long, and is refused by ``save_op`` without the worker ever holding it whole.
 
     Raises:
         redis.RedisError: the broker did not answer.
     """
-    if not request_ids:
+    if not requests:
         return []
     if settler is None:  # a broker without pending records: no producer of ours staged
-        return [None] * len(request_ids)
-    commands = [("GETRANGE", settler.keys.pending_value(i), 0, max_bytes) for i in request_ids]
+        return [None] * len(requests)
+    keys = settler.keys
+    found = _read(
+        settler, [keys.pending_value(r.session_id, r.request_id) for r in requests], max_bytes
+    )
+    values = [None if value is None else StagedValue(value) for value in found]
+    missing = [i for i, value in enumerate(values) if value is None]
+    if missing:
+        legacy = [keys.legacy_pending_value(requests[i].request_id) for i in missing]
+        for i, value in zip(missing, _read(settler, legacy, max_bytes), strict=True):
+            values[i] = None if value is None else StagedValue(value, legacy=True)
+    return values
+
+
+def _read(settler: Settler, keys: list[str], max_bytes: int) -> list[bytes | None]:
+    commands = [("GETRANGE", key, 0, max_bytes) for key in keys]
     values: list[bytes | None] = []
     for reply in redis_hooks.round_trip(settler.broker, commands):
         if isinstance(reply, Exception):
@@ -129,17 +156,20 @@ def settled_before(store: CheckpointStore, request: StagedSave) -> bool:
 
 def lost(request: StagedSave) -> StagedValueLost:
     return StagedValueLost(
-        f"its staged value (request {request.request_id}) is not on the broker and the "
-        "session's fence shows the request never applied: it expired, was evicted, or the "
-        "broker lost its data"
+        f"its staged value (request {request.request_id}) is not on the broker before its "
+        "deadline and the session's fence shows the request never applied: it was evicted "
+        "(a maxmemory-policy other than noeviction) or the broker lost its data"
     )
 
 
-def expanded(store: CheckpointStore, value: bytes) -> list[Any] | None:
+def expanded(store: CheckpointStore, request: StagedSave, value: bytes) -> list[Any] | None:
     """A staged value as ``checkpoint.save``'s arguments (the checkpoint's JSON), so that a
     dead letter keeps the checkpoint itself and replays as a plain save; None if it does
-    not decode."""
+    not decode, or holds another session's checkpoint (never replayed as this request)."""
     try:
-        return [orjson.loads(store.codec.decode(value))]
+        document = orjson.loads(store.codec.decode(value))
     except Exception:
         return None
+    if messages.requested_session(messages.SAVE, [document], {}) != request.session_id:
+        return None
+    return [document]

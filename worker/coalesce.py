@@ -224,7 +224,7 @@ class Coalescer:
         # ``seq``, so a request of this group run again as a task below may follow it.
         self._consider(at_once=True)
         applied = [(p, ok) for p, ok in zip(group, done, strict=False) if ok is not None]
-        self._ack_together([p for p, _ in applied], [ok for _, ok in applied if ok[1] > 0])
+        self._ack_together([p for p, _ in applied], [ok for _, ok in applied if ok[1]])
         for pending, ok in zip(group, done, strict=False):
             if ok is None:
                 pending.run_as_task(self.consumer)

@@ -321,6 +321,8 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no 
         task, task_id = _describe(message)
         args, kwargs = _arguments(message) if with_arguments else (None, None)
         headers = message.headers if isinstance(message.headers, dict) else {}
+        # A refusal record for the producer waiting on it, where the body names its session.
+        session_id = messages.requested_session(task, args or [], kwargs or {})
         try:
             refuse(
                 kind,
@@ -329,6 +331,7 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no 
                 task_id=task_id,
                 args=args,
                 kwargs=kwargs,
+                requests=[(session_id, task_id)] if session_id and task_id else (),
                 raw=_raw(message),
                 headers={
                     **headers,

@@ -49,7 +49,13 @@ from checkpointq.tasks.producer.outcomes import RequestOutcome, decide
 
 if TYPE_CHECKING:
     from celery import Celery
-from checkpointq.tasks.producer.pending import DELETE_OP, SAVE_OP, PendingRecords, RecordWrite
+from checkpointq.tasks.producer.pending import (
+    DEFAULT_MAX_SEQ_AHEAD_SECONDS,
+    DELETE_OP,
+    SAVE_OP,
+    PendingRecords,
+    RecordWrite,
+)
 
 #: How hard a publish tries while the broker is unreachable (kombu retry policy): about
 #: three seconds in all, then BrokerUnavailable.
@@ -70,6 +76,7 @@ class ClientSettings(Protocol):
     max_message_bytes: int
     compress_messages: bool
     stage_saves: bool
+    max_seq_ahead_seconds: float
     sentinel_master: str | None
     sentinel_password: str | None
 
@@ -138,6 +145,7 @@ class CheckpointClient:
         key_prefix: str | None = None,
         compress_messages: bool = True,
         stage_saves: bool = True,
+        max_seq_ahead_seconds: float = DEFAULT_MAX_SEQ_AHEAD_SECONDS,
     ) -> None:
         """Publish to ``broker_url``'s ``queue``; read (and wait on) ``store``.
 
@@ -159,6 +167,11 @@ class CheckpointClient:
         its stored value goes to the broker once, beside a message that names it, instead
         of in the message and again in its pending record (docs/protocol.md, "Staged
         saves"). Workers must know that task (this release on): upgrade them first.
+
+        ``max_seq_ahead_seconds``: the workers' limit (``CHECKPOINTQ_MAX_SEQ_AHEAD_SECONDS``),
+        which the broker applies at publish too: a request stamped further ahead of the
+        broker's clock, or made while this producer's clock runs over half of it ahead, is
+        refused at once (``SeqRefused``), never accepted and then dead-lettered.
         """
         self._transport_options = dict(transport_options or {})
         self.clock = clock or seq_clock
@@ -185,6 +198,8 @@ class CheckpointClient:
                 store,
                 keys,
                 ttl_seconds=store.options.ttl_seconds,
+                clock=self.clock,
+                max_seq_ahead_seconds=max_seq_ahead_seconds,
                 display_url=self._display_url,
             )
         else:
@@ -242,6 +257,7 @@ class CheckpointClient:
             max_message_bytes=settings.max_message_bytes,
             compress_messages=settings.compress_messages,
             stage_saves=settings.stage_saves,
+            max_seq_ahead_seconds=settings.max_seq_ahead_seconds,
             key_prefix=settings.key_prefix,
             transport_options=brokers.transport_options(
                 settings.broker_url,
@@ -473,17 +489,15 @@ class CheckpointClient:
         delay = interval
         while True:
             fence, refusal = self.store.request_outcome(handle.session_id, request)
-            if refusal is None and request != handle.task_id:
-                # An item of a batch: the batch as a whole may have been refused.
-                refusal = self.store.request_outcome(handle.session_id, handle.task_id)[1]
+            if fence is not None:
+                self.clock.observe(handle.session_id, fence.seq)
+            # The fence first: it is the session's own, while a refusal names a request id.
+            outcome = decide(handle.task, request, handle.seq, fence, self._lapsed(handle.seq))
+            if outcome is not None:
+                return outcome
             if refusal is not None:
                 description = f"{handle.task} {request} for session {handle.session_id!r}"
                 raise RequestRefused(description, refusal.kind, refusal.reason, refusal.entry)
-            if fence is not None:
-                self.clock.observe(handle.session_id, fence.seq)
-            outcome = decide(handle.task, request, handle.seq, fence)
-            if outcome is not None:
-                return outcome
             if time.monotonic() >= deadline:
                 at = "no fence" if fence is None else f"fence at seq {fence.seq}"
                 raise TimeoutError(
@@ -492,6 +506,12 @@ class CheckpointClient:
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.25)
+
+    def _lapsed(self, seq: int) -> bool:
+        """Whether a request stamped ``seq`` is certainly past its deadline (by this
+        producer's clock, less the store's tombstone margin for clocks that disagree)."""
+        store = self.store
+        return store.lapsed(seq, self.clock.now_us() // 1000 - store.tombstone_ms)
 
     # -- reads --------------------------------------------------------------------------
 

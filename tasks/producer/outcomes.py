@@ -4,8 +4,9 @@ The fence keeps the winning request's id, and a worker that dead-letters a reque
 the refusal under the request's id, so a producer can tell its own request's fate:
 
 * **applied**: the fence names the request (it is what the store holds, or its delete is);
-* **superseded**: the fence passed the request's ``seq`` with another request, so it can no
-  longer apply (it was applied and overwritten, or refused as stale);
+* **superseded**: the fence holds a request ordered after it (``store.ordering``), so it can
+  no longer apply (it was applied and overwritten, or refused as stale);
+* **expired**: it reached a worker past its deadline, or is past it now: never stored;
 * **refused**: dead-lettered (``RequestRefused``, with the kind, reason and entry);
 * otherwise it is still on its way.
 """
@@ -15,17 +16,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from checkpointq.store.base import Fence
-from checkpointq.tasks.messages import SAVE, SAVE_STAGED
+from checkpointq.store.ordering import order_key
+from checkpointq.tasks.messages import DELETE
 
 APPLIED = "applied"
 SUPERSEDED = "superseded"
+EXPIRED = "expired"
 
 
 @dataclass(frozen=True, slots=True)
 class RequestOutcome:
     """A request's known outcome and the fence it was read from."""
 
-    #: ``"applied"`` or ``"superseded"``.
+    #: ``"applied"``, ``"superseded"`` or ``"expired"`` (it reached a worker past its
+    #: deadline, or can no longer: never stored, as it would have expired by now).
     outcome: str
     #: The ``seq`` of the session's last applied request.
     seq: int
@@ -35,24 +39,27 @@ class RequestOutcome:
     winner: str
 
 
-def decide(task: str, request_id: str, seq: int, fence: Fence | None) -> RequestOutcome | None:
+def decide(
+    task: str,
+    request_id: str,
+    seq: int,
+    fence: Fence | None,
+    lapsed: bool = False,
+) -> RequestOutcome | None:
     """The outcome of request ``request_id`` (a ``task`` stamped ``seq``), or None while it
-    may still apply."""
+    may still apply. ``lapsed``: the request is past its deadline (``store.ordering``), so it
+    can no longer apply whatever the fence says."""
     if fence is None:
-        return None
+        return RequestOutcome(EXPIRED, 0, False, "") if lapsed else None
     winner = fence.request_id
     if winner == request_id or (not winner and fence.seq == seq):
         # (A fence without a winner was written by an older worker: at the request's own
         # seq it is taken as this request's.)
-        outcome = APPLIED
-    elif fence.seq > seq or (fence.seq == seq and _loses_tie(task, fence)):
+        outcome = EXPIRED if fence.lapsed else APPLIED
+    elif fence.key > order_key(seq, task == DELETE, request_id):
         outcome = SUPERSEDED
+    elif lapsed:
+        outcome = EXPIRED
     else:
         return None
     return RequestOutcome(outcome, fence.seq, fence.deleted, winner)
-
-
-def _loses_tie(task: str, fence: Fence) -> bool:
-    # At equal seq another request holds the fence: a save can never apply over it; a
-    # delete applies over a save, but not over another delete.
-    return bool(fence.request_id) and (task in (SAVE, SAVE_STAGED) or fence.deleted)

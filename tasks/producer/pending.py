@@ -1,16 +1,18 @@
-"""Pending records: the newest accepted request per session, kept on the broker until a
-worker settles it, so that every replica's load sees a write the queue still holds.
+"""Pending records: every accepted request of a session, kept on the broker until a worker
+settles it, so that every replica's load sees a write the queue still holds.
 
 docs/protocol.md ("Pending records") is the contract; this module is its Python side:
 
-* ``PendingRecords.push`` runs ``tasks/lua/publish.lua``: the LPUSH and the records of every
-  request the message carries, in one script call (the Go client embeds the same file).
-* ``PendingRecords.load`` and ``list`` merge the records with the store by ``seq``. The
-  record is read **before** the store (a record is removed only once its request was
-  applied, so a missing record means the store has it): one script call when broker and
-  store are one Redis (``tasks/lua/load_pending.lua``), else one read of each.
-* ``settle`` (the worker's side) runs ``tasks/lua/settle.lua``: a record goes once a
-  request of its seq or a later one was applied, superseded or dead-lettered.
+* ``PendingRecords.push`` runs ``tasks/lua/publish.lua``: the LPUSH and one entry per
+  request the message carries (with a save's value), in one script call (the Go client
+  embeds the same file). The broker checks each ``seq`` and this producer's clock first.
+* ``PendingRecords.load`` and ``list`` merge the newest entry with the store, by the order of
+  requests (``store.ordering``). The entries are read **before** the store (an entry goes only
+  once its request was applied, so a missing entry means the store has it): one script call
+  when broker and store are one Redis, else one read of each (``tasks/lua/read_pending.lua``).
+* ``settle`` (the worker's side) runs ``tasks/lua/settle.lua``: each settled request removes
+  its own entry and value, and nothing else, so a request refused or superseded never hides
+  another that is still on its way.
 
 A broker that lost its data (restarted without persistence) shows a new epoch token;
 ``EpochWatch`` counts it (``checkpointq_pending_epoch_changes_total``) and loads read the
@@ -33,18 +35,31 @@ from checkpointq.store import redis_hooks
 from checkpointq.store.base import CheckpointStore, Fence
 from checkpointq.store.keys import KeySpace
 from checkpointq.store.model import Checkpoint
+from checkpointq.store.ordering import OrderKey, order_key
 from checkpointq.store.redis import RedisStore
 from checkpointq.store.scripts import script_source
-from checkpointq.tasks.errors import BrokerUnavailable, redis_unavailable
+from checkpointq.tasks.errors import BrokerUnavailable, SeqRefused, redis_unavailable
+from checkpointq.tasks.producer.clock import SeqClock, seq_clock
 
 logger = logging.getLogger(__name__)
 
 _SCRIPTS = "checkpointq.tasks"
 
-#: Record ops, as publish.lua stores them.
+#: Entry ops, as publish.lua stores them.
 SAVE_OP, DELETE_OP = "save", "delete"
-#: What publish.lua is told for a staged save (it stores the record as a save).
+#: What publish.lua is told for a staged save (it stores the entry as a save).
 STAGED_OP = "staged"
+#: What read_pending.lua answers for a save past its deadline (store.ordering).
+LAPSED_OP = "lapsed"
+
+#: The worker's default limit on how far ahead a seq may be (CHECKPOINTQ_MAX_SEQ_AHEAD_SECONDS).
+DEFAULT_MAX_SEQ_AHEAD_SECONDS = 300.0
+
+#: How publish.lua's refusals start (the rest says why).
+_REFUSED = "CQREFUSED"
+
+#: Sessions whose newest entry one read_pending.lua call reads for a list.
+_HEADS_PER_CALL = 500
 
 #: How long a staged value waits for the script that pushes its message (they go in one
 #: write, so only a client that dies between them leaves one behind, for this long); the
@@ -68,21 +83,29 @@ class RecordWrite:
 
 @dataclass(frozen=True, slots=True)
 class PendingRecord:
-    """A session's record as read back from the broker."""
+    """A session's newest pending request as read back from the broker (its entry ordered
+    last: ``store.ordering``). ``lapsed``: a save past its deadline, which will never be
+    stored (its session reads as expired)."""
 
     seq: int
     deleted: bool
     request_id: str
     value: bytes = b""
+    lapsed: bool = False
+
+    @property
+    def key(self) -> OrderKey:
+        return order_key(self.seq, self.deleted, self.request_id)
 
     def wins(self, fence: Fence | None) -> bool:
-        """Whether the record, not the store, answers: its request is newer than the last
+        """Whether the record, not the store, answers: its request is ordered after the last
         one the store applied (or the store applied none)."""
-        return fence is None or self.seq > fence.seq
+        return fence is None or self.key > fence.key
 
     def as_fence(self) -> Fence:
         """The fence a load returns for it, so that the next request sorts after it."""
-        return Fence(self.seq, self.deleted, self.request_id, live=not self.deleted)
+        live = not (self.deleted or self.lapsed)
+        return Fence(self.seq, self.deleted, self.request_id, live, self.lapsed)
 
 
 def _text(value: bytes | None) -> str:
@@ -92,18 +115,22 @@ def _text(value: bytes | None) -> str:
 def parse_record(
     seq: bytes | None, op: bytes | None, req: bytes | None = None, value: bytes | None = None
 ) -> PendingRecord | None:
-    """A record from its fields as read_pending.lua and load_pending.lua return them (seq,
-    op, req, value); None when there is none.
+    """A record from its fields as read_pending.lua returns them (seq, op, req, value); None
+    when there is none.
 
     Raises:
-        BrokerUnavailable: the fields are not a record publish.lua writes (a foreign writer).
+        BrokerUnavailable: the fields are not an entry publish.lua writes, or a pending
+            save's value is gone before its deadline (evicted: see the eviction warning).
     """
     if seq is None:
         return None
-    deleted = op == DELETE_OP.encode()
-    if not deleted and (op != SAVE_OP.encode() or not value):
+    if op == DELETE_OP.encode():
+        return PendingRecord(int(seq), True, _text(req))
+    if op == LAPSED_OP.encode():
+        return PendingRecord(int(seq), False, _text(req), lapsed=True)
+    if op != SAVE_OP.encode() or not value:
         raise BrokerUnavailable(f"unreadable pending record (op {_text(op)!r}, seq {_text(seq)})")
-    return PendingRecord(int(seq), deleted, _text(req), b"" if deleted else bytes(value or b""))
+    return PendingRecord(int(seq), False, _text(req), bytes(value))
 
 
 class EpochWatch:
@@ -152,33 +179,57 @@ class PendingRecords:
         keys: KeySpace,
         *,
         ttl_seconds: float,
+        clock: SeqClock | None = None,
+        max_seq_ahead_seconds: float = DEFAULT_MAX_SEQ_AHEAD_SECONDS,
         display_url: str = "the broker",
     ) -> None:
-        """Records on ``broker`` (a ``redis.Redis``) for ``store``, named by ``keys``, living
-        ``ttl_seconds`` (as long as the checkpoints they hold would)."""
+        """Records on ``broker`` (a ``redis.Redis``) for ``store``, named by ``keys``; a
+        request's entry lives until its deadline (its seq + ``ttl_seconds``).
+
+        ``clock``: the producer's (its reading goes with every push, for the broker to
+        compare with its own); ``max_seq_ahead_seconds``: the limit the worker applies
+        (``CHECKPOINTQ_MAX_SEQ_AHEAD_SECONDS``), which the broker applies too.
+        """
         self.broker = broker
         self._display_url = display_url
         self.store = store
         self.keys = keys
         self.ttl_ms = max(1, int(ttl_seconds * 1000))
+        self.clock = clock or seq_clock
+        self.max_ahead_us = int(max_seq_ahead_seconds * 1_000_000)
         self.epochs = EpochWatch()
         self._index_key, self._epoch_key = keys.pending_index(), keys.pending_epoch()
         self._publish_source = script_source("publish", _SCRIPTS)
         self._publish_sha = hashlib.sha1(
             self._publish_source.encode(), usedforsecurity=False
         ).hexdigest()
-        # A staged save's value is read from the key its record names, so a record is read
-        # by a script: read_pending.lua, or load_pending.lua with the store's part.
         self._read = broker.register_script(script_source("read_pending", _SCRIPTS))
         #: Broker and store are one Redis: a load reads both in one script call.
         self.one_redis = isinstance(store, RedisStore) and same_redis(broker, store.client)
-        self._load = (
-            store.client.register_script(script_source("load_pending", _SCRIPTS))
+        self._read_with_store = (
+            store.client.register_script(script_source("read_pending", _SCRIPTS))
             if isinstance(store, RedisStore) and self.one_redis
             else None
         )
 
     # -- writes ----------------------------------------------------------------------------
+
+    def push_call(
+        self, queue: str, message: bytes, records: Sequence[RecordWrite], clock_us: int
+    ) -> tuple[list[str], list[Any]]:
+        """publish.lua's KEYS and ARGV (its header says what each is): the one place they are
+        built. The Go client builds the same call (tests/go/test_publish_calls.py)."""
+        keys = [queue, self._index_key, self._epoch_key]
+        # A fresh token per call, cheaply: the epoch only when the broker has none.
+        args: list[Any] = [message, self.ttl_ms, os.urandom(16).hex(), clock_us, self.max_ahead_us]
+        for record in records:
+            keys += [
+                self.keys.pending_requests(record.session_id),
+                self.keys.pending_value(record.session_id, record.request_id),
+            ]
+            op, value = (STAGED_OP, b"") if record.staged else (record.op, record.value)
+            args += [record.session_id, record.seq, op, record.request_id, value]
+        return keys, args
 
     def push(self, queue: str, message: bytes, records: Sequence[RecordWrite]) -> None:
         """LPUSH ``message`` onto ``queue`` and write ``records``, atomically: one
@@ -187,25 +238,24 @@ class PendingRecords:
         nothing was pushed) and the call goes again with the script's text.
 
         Raises:
+            SeqRefused: the broker refused the requests' seq or this producer's clock.
             redis.RedisError: as redis-py raises it (the publisher retries connection errors).
         """
-        keys = [queue, self._index_key, self._epoch_key]
-        # A fresh token per call, cheaply: the epoch only when the broker has none.
-        args: list[Any] = [message, self.ttl_ms, os.urandom(16).hex()]
+        keys, args = self.push_call(queue, message, records, self.clock.now_us())
         # Staged values: SET just before the script, which checks they are there, gives them
         # the records' lifetime and names them in the records (docs/protocol.md, "Staged
         # saves"). They never pass through Lua, which copies every argument.
-        stage: list[tuple[Any, ...]] = []
-        value_keys: list[str] = []
-        for record in records:
-            keys.append(self.keys.pending(record.session_id))
-            if record.staged:
-                value_keys.append(value_key := self.keys.pending_value(record.request_id))
-                stage.append(("SET", value_key, record.value, "PX", STAGED_VALUE_WAIT_MS))
-                args += [record.session_id, record.seq, STAGED_OP, record.request_id, b""]
-            else:
-                args += [record.session_id, record.seq, record.op, record.request_id, record.value]
-        keys += value_keys
+        stage = [
+            (
+                "SET",
+                self.keys.pending_value(r.session_id, r.request_id),
+                r.value,
+                "PX",
+                STAGED_VALUE_WAIT_MS,
+            )
+            for r in records
+            if r.staged
+        ]
         *staged, epoch = redis_hooks.round_trip(
             self.broker, [*stage, ("EVALSHA", self._publish_sha, len(keys), *keys, *args)]
         )
@@ -215,30 +265,38 @@ class PendingRecords:
             )
         # A refused staged SET (OOM, READONLY) is the cause; the script then refused the push.
         for reply in (*staged, epoch):
+            if isinstance(reply, redis_errors.ResponseError) and str(reply).startswith(_REFUSED):
+                raise SeqRefused(str(reply).removeprefix(_REFUSED).strip(), field="seq")
             if isinstance(reply, Exception):
                 raise reply
         self.epochs.observe(epoch)
 
     # -- reads -----------------------------------------------------------------------------
 
+    def _read_args(self, session_id: str) -> list[Any]:
+        return [self.keys.pending_value_prefix(session_id), self.ttl_ms]
+
     def read(self, session_id: str) -> PendingRecord | None:
-        """The session's live record, read from the broker.
+        """The session's newest pending request, read from the broker.
 
         Raises:
             BrokerUnavailable: the broker did not answer (the store alone could be stale).
         """
+        keys = [
+            self.keys.pending_requests(session_id),
+            self._epoch_key,
+            self.keys.pending(session_id),
+        ]
         try:
-            *fields, epoch = self._read(
-                keys=[self.keys.pending(session_id), self._epoch_key], args=[]
-            )
+            *fields, epoch = self._read(keys=keys, args=["one", *self._read_args(session_id)])
         except redis_errors.RedisError as exc:
             raise self._unavailable(f"the load of {session_id!r}", exc) from exc
         self.epochs.observe(epoch)
         return parse_record(*fields)
 
     def load(self, session_id: str) -> tuple[Checkpoint | None, Fence | None]:
-        """The newest accepted write of the session and its fence: the record's when it is
-        newer than the store's fence, else the store's.
+        """The newest accepted write of the session and its fence: the newest pending
+        request's when it is ordered after the store's fence, else the store's.
 
         Raises:
             BrokerUnavailable: the broker did not answer (a separate broker).
@@ -246,14 +304,14 @@ class PendingRecords:
         """
         store = self.store
         store.check_session_id(session_id)
-        if self._load is None:
-            record = self.read(session_id)
+        if self._read_with_store is None:
+            record = self.read(session_id)  # first: a record is gone only once applied
             checkpoint, fence = store.load_with_fence(session_id)
         else:
             checkpoint, fence, record = self._load_one_redis(session_id)
         if record is None or not record.wins(fence):
             return checkpoint, fence
-        if record.deleted:
+        if record.deleted or record.lapsed:
             return None, record.as_fence()
         return store.decode_value(session_id, record.value), record.as_fence()
 
@@ -261,24 +319,32 @@ class PendingRecords:
         self, session_id: str
     ) -> tuple[Checkpoint | None, Fence | None, PendingRecord | None]:
         store = self.store
-        if not isinstance(store, RedisStore) or self._load is None:  # one_redis says so
+        if not isinstance(store, RedisStore) or self._read_with_store is None:  # one_redis
             raise TypeError("a one-Redis load needs a RedisStore")
         keys = [
+            self.keys.pending_requests(session_id),
+            self._epoch_key,
             self.keys.pending(session_id),
-            self.keys.pending_epoch(),
             store.keys.data(session_id),
             store.keys.fence(session_id),
         ]
         with redis_unavailable(f"load {session_id!r}"):
-            reply = self._load(keys=keys, args=[])
-        record = parse_record(*reply[:4])
+            reply = self._read_with_store(keys=keys, args=["store", *self._read_args(session_id)])
         self.epochs.observe(reply[4])
+        fence = store.fence_from_reply(*reply[6:10])
+        seq, op, req, value = reply[:4]
+        record = None
+        if seq is not None:
+            # The script sends the value of whichever answers, the record's or the store's.
+            record = PendingRecord(int(seq), op == DELETE_OP.encode(), _text(req))
+            if record.wins(fence):
+                record = parse_record(seq, op, req, value)
         stored = reply[5]
         checkpoint = None if stored is None else store.decode_value(session_id, stored)
-        return checkpoint, store.fence_from_reply(*reply[6:10]), record
+        return checkpoint, fence, record
 
     def live_records(self) -> dict[str, PendingRecord]:
-        """Every live record's seq and op (no values), by session id.
+        """Every session's newest pending request (no values), by session id.
 
         Raises:
             BrokerUnavailable: the broker did not answer.
@@ -290,25 +356,29 @@ class PendingRecords:
                 _text(i)
                 for i in self.broker.zrangebyscore(self.keys.pending_index(), now_ms, "+inf")
             ]
-            pipe = self.broker.pipeline(transaction=False)
-            for session_id in ids:
-                pipe.hmget(self.keys.pending(session_id), "seq", "op")
-            pipe.get(self.keys.pending_epoch())
-            *replies, epoch = pipe.execute()
+            heads: list[Any] = []
+            for start in range(0, len(ids), _HEADS_PER_CALL):
+                chunk = ids[start : start + _HEADS_PER_CALL]
+                keys = [
+                    k for i in chunk for k in (self.keys.pending_requests(i), self.keys.pending(i))
+                ]
+                heads += self._read(keys=keys, args=["heads", self.ttl_ms])
+            epoch = self.broker.get(self._epoch_key)
         except redis_errors.RedisError as exc:
             raise self._unavailable("the list", exc) from exc
         self.epochs.observe(epoch)
         records: dict[str, PendingRecord] = {}
-        for session_id, (seq, op) in zip(ids, replies, strict=True):
+        for n, session_id in enumerate(ids):
+            seq, op, req = heads[3 * n : 3 * n + 3]
             if seq is not None:
-                deleted = op == DELETE_OP.encode()
-                records[session_id] = PendingRecord(int(seq), deleted, "")
+                deleted, lapsed = op == DELETE_OP.encode(), op == LAPSED_OP.encode()
+                records[session_id] = PendingRecord(int(seq), deleted, _text(req), lapsed=lapsed)
         return records
 
     def list(self) -> list[str]:
-        """The store's live sessions, plus those whose record is a save newer than their
-        fence, minus those whose record is a delete newer than theirs (or, for a record a
-        worker applied meanwhile, as its fence says); sorted.
+        """The store's live sessions, plus those whose newest pending request is a save
+        ordered after their fence, minus those whose is a delete or a lapsed save (or, for
+        a request a worker applied meanwhile, as its fence says); sorted.
 
         Raises:
             BrokerUnavailable: the broker did not answer.
@@ -321,7 +391,10 @@ class PendingRecords:
         # in between, the fence, not the listing, is the session's state.
         for session_id, fence in zip(ids, self.store.fences(ids), strict=True):
             record = records[session_id]
-            listed = not record.deleted if record.wins(fence) else fence is not None and fence.live
+            if record.wins(fence):
+                listed = not (record.deleted or record.lapsed)
+            else:
+                listed = fence is not None and fence.live
             if listed:
                 sessions.add(session_id)
             else:
@@ -336,23 +409,31 @@ class PendingRecords:
 
 
 class Settlement(NamedTuple):
-    """A request the worker is done with (applied, superseded or dead-lettered)."""
+    """A request the worker is done with (applied, superseded, lapsed or dead-lettered):
+    its entry goes, and its value unless ``keep_value`` (a dead letter that could not take
+    it: the value stays on the broker, for people, until its deadline). ``legacy_staged``:
+    its staged value was found in the layout before issue 31
+    (``KeySpace.legacy_pending_value``), holding its own session's checkpoint."""
 
     session_id: str
-    seq: int
-    #: A staged save's request id: its staged value goes too ("" for any other request).
-    staged: str = ""
+    request_id: str
+    keep_value: bool = False
+    legacy_staged: bool = False
 
 
 def settle_command(keys: KeySpace, settled: Sequence[Settlement]) -> tuple[list[str], list[Any]]:
     """settle.lua's KEYS and ARGV for ``settled`` requests."""
     script_keys = [keys.pending_index()]
     args: list[Any] = []
-    for session_id, seq, _ in settled:
-        script_keys.append(keys.pending(session_id))
-        args += [session_id, seq]
-    script_keys += [keys.pending_value(staged) for *_, staged in settled if staged]
-    return script_keys, args
+    values: list[str] = []
+    for session_id, request_id, keep_value, legacy_staged in settled:
+        script_keys += [keys.pending_requests(session_id), keys.pending(session_id)]
+        args += [session_id, request_id]
+        if not keep_value:
+            values.append(keys.pending_value(session_id, request_id))
+            if legacy_staged:
+                values.append(keys.legacy_pending_value(request_id))
+    return script_keys + values, args
 
 
 def settle_source() -> str:
@@ -370,7 +451,7 @@ class Settler:
         self._script = broker.register_script(settle_source())
 
     def settle(self, settled: Sequence[Settlement]) -> None:
-        """Remove the records of ``settled`` requests and older ones, and their staged values.
+        """Remove the entries and the values of ``settled`` requests.
 
         Never raises: a record left behind is only read until it expires or the session's
         next request settles it, and loads order it below the store's fence anyway."""

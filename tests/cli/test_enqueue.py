@@ -29,7 +29,7 @@ def _queued(client: redis.Redis) -> list[dict[str, Any]]:
 def _saved(client: redis.Redis, message: dict[str, Any]) -> Any:
     """The checkpoint a queued save carries: a staged save's value, on the broker."""
     assert message["task"] == "checkpoint.save_staged"
-    value = client.get(KeySpace().pending_value(message["id"]))
+    value = client.get(KeySpace().pending_value(message["args"][0], message["id"]))
     assert value is not None
     return json.loads(value)
 

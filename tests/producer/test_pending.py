@@ -153,29 +153,26 @@ def test_the_store_answers_once_it_holds_the_records_request_or_a_newer_one(
 
 
 @pytest.mark.parametrize("staged", [True, False], ids=["staged", "in-message"])
-def test_the_record_holds_the_value_exactly_as_the_store_will(
+def test_the_entry_holds_the_value_exactly_as_the_store_will(
     one_redis: tuple[CheckpointClient, CheckpointClient], redis_client: redis.Redis, staged: bool
 ) -> None:
     a, _ = one_redis
     a.stage_saves = staged
     checkpoint = make_checkpoint("s", version=3, messages=150)  # over the 100-message cap
     handle = a.save(checkpoint)
-    record = redis_client.hgetall(KEYS.pending("s"))
-    if staged:  # the value waits under the request's id; the record names it
-        assert record[b"staged"] == KEYS.pending_value(handle.task_id).encode()
-        assert b"value" not in record
-        value = redis_client.get(KEYS.pending_value(handle.task_id))
-    else:
-        value = record[b"value"]
+    # One entry per request, named by its id; its value beside it, by session and request
+    entries = redis_client.hgetall(KEYS.pending_requests("s"))
+    assert entries == {handle.task_id.encode(): f"{handle.seq} save".encode()}
+    value = redis_client.get(KEYS.pending_value("s", handle.task_id))
     assert value == a.store.encode(checkpoint).value
-    assert record[b"seq"] == str(handle.seq).encode() and record[b"op"] == b"save"
-    assert record[b"req"] == handle.task_id.encode()
     loaded = a.load("s")
     assert loaded is not None and len(loaded.conversation_history) == 100
-    # It lives as long as the checkpoint would, and the index says until when
-    ttl_ms = redis_client.pttl(KEYS.pending("s"))
-    assert 0 < ttl_ms <= a.store.options.ttl_seconds * 1000
-    assert redis_client.zscore(KEYS.pending_index(), "s") is not None
+    # They live until the request's deadline (its seq + the TTL), and the index says so
+    assert handle.seq is not None
+    deadline_ms = handle.seq // 1000 + int(a.store.options.ttl_seconds * 1000)
+    for key in (KEYS.pending_requests("s"), KEYS.pending_value("s", handle.task_id)):
+        assert redis_client.pexpiretime(key) == deadline_ms
+    assert redis_client.zscore(KEYS.pending_index(), "s") == deadline_ms
 
 
 def test_a_save_the_worker_could_never_store_is_refused_at_once(
@@ -189,7 +186,8 @@ def test_a_save_the_worker_could_never_store_is_refused_at_once(
         # When it is saved, Then save() raises the worker's own error, and nothing is queued
         with pytest.raises(CheckpointTooLarge, match="stored-size budget"):
             client.save(big)
-        assert redis_client.llen(QUEUE) == 0 and not redis_client.exists(KEYS.pending("s"))
+        assert redis_client.llen(QUEUE) == 0
+        assert not redis_client.exists(KEYS.pending_requests("s"))
     finally:
         client.close()
 
@@ -205,9 +203,16 @@ def test_a_load_on_one_redis_is_one_script_call(
     b.load("s")
     stats = redis_client.info("commandstats")
     calls = {name: int(v["calls"]) for name, v in stats.items() if "config" not in name}
-    # One EVALSHA; the HMGETs and GETs are load_pending.lua's own (counted as well): the
-    # record and the fence, the epoch, the stored value and the staged one the record names
-    assert calls == {"cmdstat_evalsha": 1, "cmdstat_hmget": 2, "cmdstat_get": 3}
+    # One EVALSHA; the rest are read_pending.lua's own (counted as well): the broker's time,
+    # the entries, the earlier-layout record and the fence, the pending value and the epoch
+    # (the stored value is not read: the pending save answers)
+    assert calls == {
+        "cmdstat_evalsha": 1,
+        "cmdstat_time": 1,
+        "cmdstat_hgetall": 1,
+        "cmdstat_hmget": 2,
+        "cmdstat_get": 2,
+    }
 
 
 def test_a_load_whose_broker_is_down_says_so_instead_of_serving_the_store(
@@ -266,8 +271,10 @@ def test_a_batch_writes_each_items_record_under_its_request_id(
         second = batching.save(make_checkpoint("x", version=2))
         gone = batching.delete("y")
         batching.flush()
-        assert redis_client.hget(KEYS.pending("x"), "req") == second.request.encode()
-        assert redis_client.hget(KEYS.pending("y"), "op") == b"delete"
+        entries = redis_client.hgetall(KEYS.pending_requests("x"))
+        assert sorted(entries) == sorted([first.request.encode(), second.request.encode()])
+        (gone_entry,) = redis_client.hvals(KEYS.pending_requests("y"))
+        assert gone_entry == f"{gone.seq} delete".encode()
         assert first.request != second.request and gone.request.endswith(":2")
         assert b.load("x").version == 2  # type: ignore[union-attr]
         assert b.load("y") is None and b.list() == ["x"]
@@ -275,18 +282,28 @@ def test_a_batch_writes_each_items_record_under_its_request_id(
         batching.close()
 
 
-def test_settling_removes_a_record_only_up_to_the_settled_seq(redis_client: redis.Redis) -> None:
+def test_settling_removes_exactly_the_settled_requests_entry(redis_client: redis.Redis) -> None:
+    # Given a session with a save and a delete stamped alike (issue 31, hole 2), each with
+    # its entry, and a record of the earlier layout naming another request
     settle = redis_client.register_script(settle_source())
-    for session_id, seq in (("old", 10), ("newer", 30), ("same", 20)):
-        redis_client.hset(KEYS.pending(session_id), mapping={"seq": seq, "op": "delete"})
-        redis_client.zadd(KEYS.pending_index(), {session_id: 2**50})
-    redis_client.zadd(KEYS.pending_index(), {"expired": 1, "vanished": 2**50})
-    settled = (("old", 20), ("newer", 20), ("same", 20), ("vanished", 5))
-    keys, args = settle_command(KEYS, [Settlement(i, seq) for i, seq in settled])
+    redis_client.hset(KEYS.pending_requests("s"), mapping={"save": "20 save", "del": "20 delete"})
+    redis_client.set(KEYS.pending_value("s", "save"), b"value")
+    redis_client.hset(KEYS.pending("t"), mapping={"seq": 5, "op": "delete", "req": "old"})
+    redis_client.zadd(KEYS.pending_index(), {"s": 2**50, "t": 2**50, "expired": 1})
+    # When the save settles, and a request of "t" that is not the record's
+    keys, args = settle_command(KEYS, [Settlement("s", "save"), Settlement("t", "other")])
+    assert settle(keys=keys, args=args) == 1
+    # Then the delete's entry stays (it is still on its way), the save's value is gone,
+    # and "t"'s record stays; the expired index entry goes
+    assert redis_client.hgetall(KEYS.pending_requests("s")) == {b"del": b"20 delete"}
+    assert not redis_client.exists(KEYS.pending_value("s", "save"))
+    assert redis_client.hget(KEYS.pending("t"), "req") == b"old"
+    assert redis_client.zrange(KEYS.pending_index(), 0, -1) == [b"s", b"t"]
+    # And once the delete and "t"'s own request settle, nothing is left
+    keys, args = settle_command(KEYS, [Settlement("s", "del"), Settlement("t", "old")])
     assert settle(keys=keys, args=args) == 2
-    assert not redis_client.exists(KEYS.pending("old"), KEYS.pending("same"))
-    assert redis_client.hget(KEYS.pending("newer"), "seq") == b"30"
-    assert redis_client.zrange(KEYS.pending_index(), 0, -1) == [b"newer"]
+    assert not redis_client.exists(KEYS.pending_requests("s"), KEYS.pending("t"))
+    assert redis_client.zcard(KEYS.pending_index()) == 0
 
 
 def test_the_epoch_watch_counts_each_loss_once() -> None:
@@ -311,9 +328,9 @@ def test_a_broker_at_maxmemory_refuses_the_push_whole(
         # When the next save of the session is pushed
         with pytest.raises(BrokerUnavailable, match="maxmemory"):
             a.save(make_checkpoint("oom", version=2))
-        # Then nothing of it was written: one message queued, the first save's record intact
+        # Then nothing of it was written: one message queued, the first save's entry alone
         assert redis_client.llen(QUEUE) == 1
-        assert int(redis_client.hget(KEYS.pending("oom"), "seq") or 0) == first.seq
+        assert redis_client.hkeys(KEYS.pending_requests("oom")) == [first.task_id.encode()]
         checkpoint = a.load("oom")
         assert checkpoint is not None and checkpoint.version == 1
     finally:

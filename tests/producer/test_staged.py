@@ -21,6 +21,7 @@ from checkpointq.store.scripts import script_source
 from checkpointq.store.serde import serialize_checkpoint
 from checkpointq.tasks.messages import SAVE_STAGED, envelope_body
 from checkpointq.tasks.producer.client import CheckpointClient
+from checkpointq.tasks.producer.clock import wall_clock_us
 from checkpointq.tasks.producer.pending import Settlement, settle_command, settle_source
 from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import RedisServer
@@ -52,8 +53,8 @@ def test_a_staged_message_is_a_send_task_message_that_names_the_request(
     assert json.loads(envelope_body(fast)) == json.loads(envelope_body(stock))
     assert json.loads(envelope_body(fast))[:2] == [["shape"], {"seq": handle.seq}]
     assert len(base64.b64decode(fast["body"])) < 200 and len(json.dumps(fast)) < 2048
-    # And the checkpoint went to the broker once, under the request's id, as its JSON
-    value = redis_client.get(KEYS.pending_value(handle.task_id))
+    # And the checkpoint went to the broker once, under its session and request, as JSON
+    value = redis_client.get(KEYS.pending_value("shape", handle.task_id))
     assert value == serialize_checkpoint(checkpoint)
 
 
@@ -64,13 +65,15 @@ def test_the_staged_value_lives_as_long_as_its_message_may(
     with CheckpointClient(redis_server.url, store, queue=QUEUE) as client:
         older = client.save(make_checkpoint("ttl", version=1))
         newer = client.save(make_checkpoint("ttl", version=2))
-    # Then each request's value has the record's lifetime (the checkpoint's), not the
-    # staging wait; the newer record names its own value, and the older value stays
-    ttl_ms = store.options.ttl_seconds * 1000
+    # Then each request's value lives until its deadline (seq + TTL), not the staging
+    # wait; each request has its own entry and its own value
+    ttl_ms = int(store.options.ttl_seconds * 1000)
     for handle in (older, newer):
-        assert ttl_ms - 60_000 < redis_client.pttl(KEYS.pending_value(handle.task_id)) <= ttl_ms
-    record = redis_client.hgetall(KEYS.pending("ttl"))
-    assert record[b"staged"] == KEYS.pending_value(newer.task_id).encode()
+        assert handle.seq is not None
+        key = KEYS.pending_value("ttl", handle.task_id)
+        assert redis_client.pexpiretime(key) == handle.seq // 1000 + ttl_ms
+    entries = redis_client.hgetall(KEYS.pending_requests("ttl"))
+    assert sorted(entries) == sorted([older.task_id.encode(), newer.task_id.encode()])
 
 
 def test_a_checkpoint_that_could_outgrow_the_budget_is_staged_as_the_store_encodes_it(
@@ -83,7 +86,7 @@ def test_a_checkpoint_that_could_outgrow_the_budget_is_staged_as_the_store_encod
     with CheckpointClient(redis_server.url, store, queue=QUEUE) as client:
         handle = client.save(checkpoint)
     # Then its value is the store's own encoding: compressed, trimmed if it had to be
-    value = redis_client.get(KEYS.pending_value(handle.task_id))
+    value = redis_client.get(KEYS.pending_value("budget", handle.task_id))
     assert value == store.encode(checkpoint).value and len(value) <= 1024
     # And an incompressible one that cannot fit is refused at once, as the worker would
     noise = ConversationMessage(role="user", content=os.urandom(8 * 1024).hex())
@@ -101,29 +104,29 @@ def test_publish_refuses_a_staged_message_whose_value_is_missing(
 ) -> None:
     # Given publish.lua called for a staged request without its value SET first
     source = script_source("publish", "checkpointq.tasks")
-    keys = [QUEUE, KEYS.pending_index(), KEYS.pending_epoch(), KEYS.pending("s")]
-    keys.append(KEYS.pending_value("req"))
-    args: list[bytes | str | int] = [b"message", 60_000, "token", "s", 1, "staged", "req", b""]
-    # Then it refuses before any write: no message, no record
+    keys = [QUEUE, KEYS.pending_index(), KEYS.pending_epoch(), KEYS.pending_requests("s")]
+    keys.append(KEYS.pending_value("s", "req"))
+    now_us = wall_clock_us()
+    args: list[bytes | str | int] = [b"message", 60_000, "token", now_us, 300_000_000]
+    args += ["s", now_us, "staged", "req", b""]
+    # Then it refuses before any write: no message, no entry
     with pytest.raises(redis.ResponseError, match=r"staged value .* is missing"):
         redis_client.eval(source, len(keys), *keys, *args)
-    assert redis_client.llen(QUEUE) == 0 and not redis_client.exists(KEYS.pending("s"))
+    assert redis_client.llen(QUEUE) == 0 and not redis_client.exists(KEYS.pending_requests("s"))
 
 
-def test_settle_deletes_the_settled_requests_values_and_no_other(
+def test_settle_deletes_the_settled_requests_value_and_no_other(
     redis_client: redis.Redis,
 ) -> None:
-    # Given two staged values of one session, the record naming the newer
+    # Given two staged values of one session, each with its entry
     for request in ("older", "newer"):
-        redis_client.set(KEYS.pending_value(request), b"{}")
-    redis_client.hset(
-        KEYS.pending("s"),
-        mapping={"seq": 2, "op": "save", "req": "newer", "staged": KEYS.pending_value("newer")},
-    )
+        redis_client.set(KEYS.pending_value("s", request), b"{}")
+        redis_client.hset(KEYS.pending_requests("s"), request, "2 save")
     settle = redis_client.register_script(settle_source())
     # When the newer request settles
-    keys, args = settle_command(KEYS, [Settlement("s", 2, "newer")])
+    keys, args = settle_command(KEYS, [Settlement("s", "newer")])
     assert settle(keys=keys, args=args) == 1
-    # Then its value and the record go; the older request's value stays for its message
-    assert not redis_client.exists(KEYS.pending_value("newer"), KEYS.pending("s"))
-    assert redis_client.exists(KEYS.pending_value("older"))
+    # Then its value and its entry go; the older request's stay for its message
+    assert not redis_client.exists(KEYS.pending_value("s", "newer"))
+    assert redis_client.hkeys(KEYS.pending_requests("s")) == [b"older"]
+    assert redis_client.exists(KEYS.pending_value("s", "older"))

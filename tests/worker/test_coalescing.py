@@ -56,9 +56,9 @@ class Pool:
         self.jobs.append((args[0], callback))
 
     def answer(self, index: int = 0) -> None:
-        """The job applied every request of its group (each settled as (session id, seq))."""
+        """The job applied every request of its group (each settled as (session, request))."""
         requests, callback = self.jobs.pop(index)
-        callback([("session", 1)] * len(requests))
+        callback([("session", "request")] * len(requests))
 
     def sizes(self) -> list[int]:
         return [len(requests) for requests, _ in self.jobs]

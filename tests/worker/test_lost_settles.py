@@ -101,20 +101,20 @@ def test_pending_records_settled_with_lost_acks_are_settled_again_with_them(
 ) -> None:
     # Given an applied staged save whose ack, and its record's settle, the broker refused
     keys = KeySpace()
-    value = keys.pending_value("request")
+    value = keys.pending_value("s", "request")
     broker.set(value, b"{}")
-    broker.hset(keys.pending("s"), mapping={"seq": 5, "op": "save", "req": "request"})
+    broker.hset(keys.pending_requests("s"), "request", "5 save")
     _publish(redis_server.url, 1)
     conn, channel, received = _consume(redis_server.url, prefetch=1)
     try:
         conn.drain_events(timeout=5)
         lost.lost_settle(received[0].delivery_tag, requeue=False)
-        lost.lost_records(*settle_command(keys, [Settlement("s", 5, "request")]))
+        lost.lost_records(*settle_command(keys, [Settlement("s", "request")]))
         # When the worker tries again, once the broker takes writes
         lost.retry(channel)
         # Then the ack, the record and the staged value are all done with
         assert not lost and broker.hlen(channel.unacked_key) == 0
-        assert not broker.exists(value, keys.pending("s"))
+        assert not broker.exists(value, keys.pending_requests("s"))
     finally:
         conn.close()
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from checkpointq.store.redis import RedisStore
-from checkpointq.tasks.errors import RequestRefused
+from checkpointq.tasks.errors import RequestRefused, SeqRefused
 from checkpointq.tasks.producer.batching import BatchingClient
 from checkpointq.tasks.producer.client import CheckpointClient
 from checkpointq.tasks.producer.clock import SeqClock, wall_clock_us
@@ -34,12 +34,19 @@ def skewed(offset_us: int) -> Callable[[], int]:
     return lambda: wall_clock_us() + offset_us
 
 
-def producer(live: Deployment, clock: SeqClock) -> CheckpointClient:
-    """A producer of the deployment with a clock of its own (a replica on another host)."""
+def producer(live: Deployment, clock: SeqClock, max_ahead: float = 300) -> CheckpointClient:
+    """A producer of the deployment with a clock of its own (a replica on another host) and
+    the limit it is told the workers apply (``max_ahead``, s)."""
     settings = live.settings
     assert settings.broker_url is not None and settings.store_url is not None
     store = RedisStore.from_url(settings.store_url, prefix=settings.key_prefix)
-    return CheckpointClient(settings.broker_url, store, queue=settings.queue, clock=clock)
+    return CheckpointClient(
+        settings.broker_url,
+        store,
+        queue=settings.queue,
+        clock=clock,
+        max_seq_ahead_seconds=max_ahead,
+    )
 
 
 def take_turns(live: Deployment, fast: SeqClock, slow: SeqClock, turns: int) -> int:
@@ -107,8 +114,9 @@ def test_wait_durable_tells_applied_from_superseded(live: Deployment) -> None:
 
 
 def test_wait_durable_raises_with_the_reason_of_a_refused_request(live: Deployment) -> None:
-    # Given a producer whose clock runs 10 minutes ahead (the worker allows 5)
-    with producer(live, SeqClock(skewed(600_000_000))) as client:
+    # Given a producer whose clock runs 6.5 minutes ahead, and whose limit is set above the
+    # workers' 5 (so the broker takes what a worker refuses)
+    with producer(live, SeqClock(skewed(390_000_000)), max_ahead=1200) as client:
         handle = client.save(make_checkpoint("refused", version=1))
         # When it waits, then it learns the request was dead-lettered, why, and where
         with pytest.raises(RequestRefused) as refused:
@@ -116,6 +124,19 @@ def test_wait_durable_raises_with_the_reason_of_a_refused_request(live: Deployme
     assert refused.value.kind == "invalid_input" and "ahead" in refused.value.reason
     letter = live.dead_letters().get(refused.value.entry)
     assert letter is not None and letter.task_id == handle.task_id
+
+
+def test_a_producer_whose_clock_runs_ahead_is_refused_at_once(live: Deployment) -> None:
+    # Given a producer whose clock runs 10 minutes ahead (the worker allows 5)
+    with producer(live, SeqClock(skewed(600_000_000))) as client:
+        # When it saves or deletes, then the broker refuses at once, naming the clock
+        with pytest.raises(SeqRefused, match=r"clock is 600.* ahead"):
+            client.save(make_checkpoint("fast", version=1))
+        with pytest.raises(SeqRefused, match="clock"):
+            client.delete("fast")
+        # And nothing was queued, nothing is pending: no load sees it, none adopts its seq
+        assert client.load("fast") is None and client.list() == []
+    assert live.broker_client().llen(live.settings.queue) == 0
 
 
 def test_batched_requests_report_their_own_outcomes(live: Deployment) -> None:

@@ -33,7 +33,7 @@ def _keys(live: Deployment) -> KeySpace:
 
 
 def _staged_values(live: Deployment) -> list[bytes]:
-    pattern = _keys(live).pending_value("*")
+    pattern = f"{live.settings.key_prefix}.cq:pending-value:*"
     return list(live.broker_client().scan_iter(pattern, count=1000))
 
 
@@ -76,14 +76,15 @@ def test_a_staged_save_run_as_a_single_task_is_applied_and_its_value_deleted(
     checkpoint = make_checkpoint("single-task", version=3)
     task_id = "single-task-request"
     broker = live.broker_client()
-    broker.set(_keys(live).pending_value(task_id), serialize_checkpoint(checkpoint), px=60_000)
+    value_key = _keys(live).pending_value("single-task", task_id)
+    broker.set(value_key, serialize_checkpoint(checkpoint), px=60_000)
     with live.checkpoint_client() as client:
         handle = _send_staged(client, "single-task", wall_clock_us(), task_id, countdown=0.05)
         # Then it is applied, and its value goes when it settles
         assert client.wait_durable(handle, timeout=20).outcome == APPLIED
         assert client.store.load("single-task") == checkpoint
     live.wait_drained()
-    assert not broker.exists(_keys(live).pending_value(task_id))
+    assert not broker.exists(value_key)
 
 
 def test_a_redelivered_staged_save_is_stale_not_refused(live: Deployment) -> None:
@@ -121,15 +122,23 @@ def test_a_staged_save_whose_value_is_gone_is_refused_with_the_reason(
     assert letter is not None and letter.task == SAVE_STAGED and letter.args == ["lost"]
 
 
-def test_a_refused_staged_save_keeps_its_checkpoint_in_its_dead_letter(live: Deployment) -> None:
-    # Given a producer whose clock runs 10 minutes ahead (the worker allows 5)
+def _misconfigured(live: Deployment, ahead_seconds: float) -> CheckpointClient:
+    """A producer whose clock runs ``ahead_seconds`` ahead and whose limit is set above the
+    workers' (600 s against their 300 s), so that the broker accepts what a worker refuses:
+    one producer's faults, as any record-writing producer could have them."""
     settings = live.settings
     assert settings.broker_url is not None
-    ahead = SeqClock(lambda: wall_clock_us() + 600_000_000)
+    ahead = SeqClock(lambda: wall_clock_us() + int(ahead_seconds * 1_000_000))
+    store = live.checkpoint_client().store
+    return CheckpointClient(
+        settings.broker_url, store, queue=settings.queue, clock=ahead, max_seq_ahead_seconds=1200
+    )
+
+
+def test_a_refused_staged_save_keeps_its_checkpoint_in_its_dead_letter(live: Deployment) -> None:
+    # Given a producer whose clock runs 6.5 minutes ahead (the worker allows 5)
     checkpoint = make_checkpoint("ahead", version=4)
-    with CheckpointClient(
-        settings.broker_url, live.checkpoint_client().store, queue=settings.queue, clock=ahead
-    ) as client:
+    with _misconfigured(live, 390) as client:
         handle = client.save(checkpoint)
         # When the worker refuses its staged save
         with pytest.raises(RequestRefused) as refused:
@@ -142,36 +151,37 @@ def test_a_refused_staged_save_keeps_its_checkpoint_in_its_dead_letter(live: Dep
     assert letter.kwargs == {"seq": handle.seq}
     # And the staged copy is gone: the dead letter is where the checkpoint lives now
     live.wait_drained()
-    assert not live.broker_client().exists(_keys(live).pending_value(handle.task_id))
+    assert not live.broker_client().exists(_keys(live).pending_value("ahead", handle.task_id))
 
 
-def test_an_older_staged_save_applies_when_the_newer_is_refused(live: Deployment) -> None:
-    # Given a staged save, then a newer one of the same session whose seq the worker refuses
-    # (it is too far ahead), both queued while no worker takes them
-    settings = live.settings
-    assert settings.broker_url is not None
-    store = live.checkpoint_client().store
+def test_an_older_save_stays_visible_and_applies_when_a_newer_one_is_refused(
+    live: Deployment,
+) -> None:
+    # Given a staged save, then a newer one of the same session from a producer whose
+    # faults make the worker refuse it, both queued while no worker takes them
     broker = live.broker_client()
     assert live.worker.process is not None
     os.kill(live.worker.process.pid, signal.SIGSTOP)  # the worker takes nothing meanwhile
     try:
-        with CheckpointClient(settings.broker_url, store, queue=settings.queue) as client:
+        with live.checkpoint_client() as client:
             older = client.save(make_checkpoint("newer-refused", version=1))
-        ahead = SeqClock(lambda: wall_clock_us() + 600_000_000)
-        with CheckpointClient(
-            settings.broker_url, store, queue=settings.queue, clock=ahead
-        ) as client:
+        with _misconfigured(live, 390) as client:
             newer = client.save(make_checkpoint("newer-refused", version=2))
-        # The newer request's record replaced the older's; the older's value stays
-        assert broker.exists(_keys(live).pending_value(older.task_id))
+        # Each request has its own entry and value; loads answer the newer
+        entries = broker.hkeys(_keys(live).pending_requests("newer-refused"))
+        assert sorted(entries) == sorted([older.task_id.encode(), newer.task_id.encode()])
+        with live.checkpoint_client() as client:
+            assert client.load("newer-refused") == make_checkpoint("newer-refused", version=2)
     finally:
         os.kill(live.worker.process.pid, signal.SIGCONT)
-    # Then the newer is refused and the older still lands: its value was its own
+    # Then the newer is refused, and the older still lands; no load ever loses sight of it:
+    # the refused request's settle removes its own entry, never the older one's
     with live.checkpoint_client() as client:
         with pytest.raises(RequestRefused):
             client.wait_durable(newer, timeout=20)
         assert client.wait_durable(older, timeout=20).outcome == APPLIED
         assert client.store.load("newer-refused") == make_checkpoint("newer-refused", version=1)
+        assert client.load("newer-refused") == make_checkpoint("newer-refused", version=1)
 
 
 def test_staged_and_in_message_saves_of_one_session_apply_in_seq_order(
@@ -196,7 +206,7 @@ def test_an_oversize_staged_value_is_refused_unread_and_kept_for_the_operator(
 ) -> None:
     # Given a staged value over the worker's message limit (a foreign producer's)
     limit = live.settings.max_message_bytes
-    key = _keys(live).pending_value("oversize-request")
+    key = _keys(live).pending_value("oversize", "oversize-request")
     broker = live.broker_client()
     broker.set(key, b"{" + b" " * (limit + 1024) + b"}", px=60_000)
     with live.checkpoint_client() as client:

@@ -47,7 +47,7 @@ def store(redis_server: RedisServer, redis_client: redis.Redis) -> Iterator[Redi
 def _staged(client: redis.Redis, session_id: str, messages_in_history: int) -> coalesced.Request:
     """A staged save's request as the main process hands it over, its value on the broker."""
     value = serialize_checkpoint(make_checkpoint(session_id, messages=messages_in_history))
-    client.set(KEYS.pending_value(f"req-{session_id}"), value)
+    client.set(KEYS.pending_value(session_id, f"req-{session_id}"), value)
     body = messages.save_staged_body(orjson.dumps(session_id), SEQ)
     return (messages.SAVE_STAGED, f"req-{session_id}", body, {}, {})
 
@@ -60,7 +60,7 @@ def test_staged_values_within_their_share_apply_in_one_group(
     # When a pool process applies the group
     done = coalesced.apply_requests(group)
     # Then each is applied, and reported for settling with its value
-    assert done == [Settlement(f"small-{n}", SEQ, f"req-small-{n}") for n in range(4)]
+    assert done == [Settlement(f"small-{n}", f"req-small-{n}") for n in range(4)]
     assert [store.load(f"small-{n}") is not None for n in range(4)] == [True] * 4
 
 
@@ -75,8 +75,8 @@ def test_a_value_over_its_share_of_the_group_budget_is_left_to_the_task_path(
         _staged(redis_client, "share-2", 10),
         _staged(redis_client, "share-3", 10),
     ]
-    assert redis_client.strlen(KEYS.pending_value("req-share-1")) > 64 * 1024
-    redis_client.delete(KEYS.pending_value("req-share-2"))
+    assert redis_client.strlen(KEYS.pending_value("share-1", "req-share-1")) > 64 * 1024
+    redis_client.delete(KEYS.pending_value("share-2", "req-share-2"))
     # When the group is applied
     done = coalesced.apply_requests(group)
     # Then the others apply, and those two are left to the task path (which reads the large

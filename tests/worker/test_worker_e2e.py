@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from checkpointq.store.base import Fence
 from checkpointq.store.serde import checkpoint_to_wire
 from checkpointq.tasks.dead_letters import Reason
 from checkpointq.tasks.errors import NotReplayable
@@ -220,11 +221,20 @@ def test_the_envelope_documented_in_protocol_md_is_applied_as_written(live: Depl
     envelope = doc.split("```json\n", 1)[1].split("```", 1)[0]
     # When a producer LPUSHes it
     live.broker_client().lpush(QUEUE, envelope)
-    # Then the worker applies the save it describes
+    # Then the worker takes the save it describes as written: stamped 2024-12-02, it is past
+    # its deadline (seq + the 30-day TTL), so it lapses (fenced, never stored: the session
+    # would have expired by now), as the document says
     with live.checkpoint_client() as client:
-        wait_until(lambda: client.load("sess-42") is not None, timeout=15, message="doc save")
-        fence = client.store.fence("sess-42")
-        assert fence is not None and fence.seq == 1733130000000000
+
+        def fence() -> Fence | None:
+            return client.store.fence("sess-42")
+
+        wait_until(lambda: fence() is not None, timeout=15, message="doc save")
+        assert fence() == Fence(
+            1733130000000000, False, "0b8a4c1e-6f7d-4d6a-9a57-1d2f0e5c9b11", lapsed=True
+        )
+        assert client.load("sess-42") is None
+    assert live.dead_letters().list(count=10).entries == []
 
 
 def test_a_refused_requests_dead_letter_keeps_its_body_exactly_as_received(
