@@ -37,7 +37,7 @@ from checkpointq.worker import (
 )
 from checkpointq.worker import signals as _signals  # noqa: F401  # importing it connects the hooks
 from checkpointq.worker.hooks import kombu as kombu_hooks
-from checkpointq.worker.ops import health, metrics
+from checkpointq.worker.ops import eviction, health, metrics
 from checkpointq.worker.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -218,6 +218,8 @@ def create_app(settings: Settings | None = None) -> Celery:
     health.install(app, settings)
     # While the store refuses writes the worker takes no messages (worker/backpressure.py).
     backpressure.install(app, settings)
+    # A broker or store that may evict our keys is named once at start-up.
+    eviction.install(app, settings)
     lost_settles.install(app)
     # kombu before 5.7 ignores the restore schedule tasks/brokers.py sets: sweep ourselves.
     kombu_hooks.install_restore_sweep(app)

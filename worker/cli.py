@@ -679,15 +679,18 @@ def health(local: bool, beat: bool, as_json: bool) -> None:
     """Exit 0 when the broker answers, the store accepts a write, and a worker is alive and
     making progress (or beat's schedule is on time, with --beat).
 
-    Workers are seen through their heartbeats in the store Redis, not remote control.
+    Workers are seen through their heartbeats in the store Redis, not remote control. A
+    Redis whose maxmemory-policy may evict keys is a warning, which leaves the exit code.
     """
     from checkpointq.worker.ops import health as checks
 
     report = checks.check(_settings(), local=local, beat=beat)
     if as_json:
         click.echo(json.dumps(report.as_json()))
-    elif report.ok:
-        click.echo(report.line())
+    else:
+        # On stdout, after the status when healthy: a failure stays one line on stderr.
+        for line in ([report.line()] if report.ok else []) + report.warning_lines():
+            click.echo(line)
     if not report.ok:
         if not as_json:
             click.echo(f"checkpointq: {report.line()}", err=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -58,6 +58,12 @@ class System:
             print(f"--- worker log (exit {code}) ---\n{self.worker.log()}")
             self.worker = None
 
+    def close(self) -> None:
+        """Stop the worker, then both servers, and remove their files."""
+        self.stop_worker()
+        self.broker.cleanup()
+        self.store.cleanup()
+
     def client(self) -> CheckpointClient:
         return CheckpointClient.from_settings(self.settings)
 
@@ -84,20 +90,24 @@ class System:
         )
 
 
-@pytest.fixture
-def system() -> Iterator[System]:
-    """Fresh servers per test (tests stop them); the test starts the worker when it wants."""
-    broker, store = RedisServer().start(), RedisServer().start()
+def start_system(redis_args: Sequence[str] = ()) -> System:
+    """Fresh broker and store servers, each started with ``redis_args``; no worker yet."""
+    broker = RedisServer(extra_args=list(redis_args)).start()
+    store = RedisServer(extra_args=list(redis_args)).start()
     values = {
         **WORKER_SETTINGS,
         "broker_url": broker.url,
         "store_url": store.url,
         "metrics_port": free_port(),
     }
-    live = System(broker, store, Settings(**values), values)  # type: ignore[arg-type]
+    return System(broker, store, Settings(**values), values)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def system() -> Iterator[System]:
+    """Fresh servers per test (tests stop them); the test starts the worker when it wants."""
+    live = start_system()
     try:
         yield live
     finally:
-        live.stop_worker()
-        broker.cleanup()
-        store.cleanup()
+        live.close()

@@ -89,6 +89,12 @@ class BrokerProbe(abc.ABC):
         None when it accepts one or has no such refusal to report (RabbitMQ)."""
         return None
 
+    @property
+    def redis_client(self) -> redis.Redis | None:
+        """A client of the broker's Redis (Sentinel's current master), for questions the
+        probe does not ask itself (``eviction``); None on RabbitMQ."""
+        return None
+
     @abc.abstractmethod
     def close(self) -> None:
         """Release the connection (a later call opens a new one)."""
@@ -180,6 +186,10 @@ class RedisProbe(BrokerProbe):
     def __init__(self, url: str, client: redis.Redis) -> None:
         super().__init__(url)
         self._client = client
+
+    @property
+    def redis_client(self) -> redis.Redis:
+        return self._client
 
     def ping(self) -> None:
         try:

@@ -38,7 +38,7 @@ from checkpointq.tasks.errors import BrokerUnavailable
 from checkpointq.worker import connections
 from checkpointq.worker.beat import SWEEP_ENTRY, beat_config
 from checkpointq.worker.hooks import kombu as kombu_hooks
-from checkpointq.worker.ops import broker_probe, metrics
+from checkpointq.worker.ops import broker_probe, eviction, metrics
 from checkpointq.worker.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -265,9 +265,11 @@ class Check:
 
 @dataclass(frozen=True, slots=True)
 class Report:
-    """All checks; healthy when every one passed."""
+    """All checks; healthy when every one passed. Warnings (a Redis that may evict our
+    keys) never make it unhealthy: a probe must not restart pods over configuration."""
 
     checks: list[Check] = field(default_factory=list)
+    warnings: list[eviction.EvictionWarning] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -277,7 +279,11 @@ class Report:
         return {
             "ok": self.ok,
             "checks": {c.name: {"ok": c.ok, "detail": c.detail} for c in self.checks},
+            "warnings": [warning.as_json() for warning in self.warnings],
         }
+
+    def warning_lines(self) -> list[str]:
+        return [f"warning: {warning.line()}" for warning in self.warnings]
 
     def line(self) -> str:
         """One line: the failures if any, else what passed."""
@@ -298,19 +304,19 @@ def _client(url: str) -> Any:
     )
 
 
-def _ping_broker(settings: Settings) -> Check:
-    with broker_probe.open_probe(settings, timeout=CHECK_TIMEOUT) as probe:
-        try:
-            probe.ping()
-        except BrokerUnavailable as exc:
-            return Check("broker", False, str(exc))
-        # A broker that answers but refuses writes (out of memory, read-only) cannot take an
-        # ack: workers hold still meanwhile (worker/backpressure.py).
-        refusal = probe.write_refusal(connections.key_space(settings).write_probe())
-        if refusal is not None:
-            paused = f"paused: broker refusing writes ({refusal})"
-            return Check("broker", False, f"{probe.where} answers; {paused}")
-        return Check("broker", True, f"{probe.where} answers and accepts writes")
+def _ping_broker(settings: Settings, probe: broker_probe.BrokerProbe) -> tuple[Check, bool]:
+    """The broker's check, and whether it answered at all."""
+    try:
+        probe.ping()
+    except BrokerUnavailable as exc:
+        return Check("broker", False, str(exc)), False
+    # A broker that answers but refuses writes (out of memory, read-only) cannot take an
+    # ack: workers hold still meanwhile (worker/backpressure.py).
+    refusal = probe.write_refusal(connections.key_space(settings).write_probe())
+    if refusal is not None:
+        paused = f"paused: broker refusing writes ({refusal})"
+        return Check("broker", False, f"{probe.where} answers; {paused}"), True
+    return Check("broker", True, f"{probe.where} answers and accepts writes"), True
 
 
 def _ping_store(settings: Settings) -> tuple[Check, Any]:
@@ -335,7 +341,8 @@ def _ping_store(settings: Settings) -> tuple[Check, Any]:
 
 def check(settings: Settings, *, local: bool = False, beat: bool = False) -> Report:
     """Ping the broker (whatever its kind: ``broker_probe``) and the store; then look for a
-    live worker (or, with ``beat``, for a sweep schedule that is not overdue).
+    live worker (or, with ``beat``, for a sweep schedule that is not overdue). Each Redis
+    that answered is also asked whether it may evict our keys (``eviction``): warnings.
 
     Args:
         settings: resolved settings (both URLs known).
@@ -343,7 +350,11 @@ def check(settings: Settings, *, local: bool = False, beat: bool = False) -> Rep
         beat: check beat's schedule instead of the workers (beat's own probe).
     """
     store_check, store = _ping_store(settings)
-    checks = [_ping_broker(settings), store_check]
+    with broker_probe.open_probe(settings, timeout=CHECK_TIMEOUT) as probe:
+        broker_check, answered = _ping_broker(settings, probe)
+        # Only servers that answered are asked: a probe waits for each at most once.
+        warnings = eviction.check(settings, probe.redis_client if answered else None, store)
+    checks = [broker_check, store_check]
     try:
         name = "beat" if beat else "worker"
         if store is None:
@@ -359,7 +370,7 @@ def check(settings: Settings, *, local: bool = False, beat: bool = False) -> Rep
     finally:
         if store is not None:
             store.close()
-    return Report(checks)
+    return Report(checks, warnings)
 
 
 def _check_workers(beats: list[dict[str, Any]], local: bool, refusing: bool = False) -> Check:
