@@ -23,6 +23,7 @@ import redis
 from kombu.exceptions import KombuError
 from redis.exceptions import RedisClusterException
 
+from checkpointq.store.base import Fence
 from checkpointq.store.errors import CheckpointError
 from checkpointq.store.keys import KeySpace
 from checkpointq.store.model import Checkpoint, display_id
@@ -527,7 +528,7 @@ def delete(session_id: str, wait: bool, timeout: float, as_json: bool) -> None:
     _emit(as_json, _handle_json(handle, outcome), [_outcome_line("delete", handle, outcome)])
 
 
-# -- reading the store ----------------------------------------------------------------------
+# -- reading sessions -----------------------------------------------------------------------
 
 
 def _show_lines(checkpoint: Checkpoint) -> Iterator[str]:
@@ -552,19 +553,40 @@ def _show_lines(checkpoint: Checkpoint) -> Iterator[str]:
         yield f"  {message.role}: {content[:120]}{'…' if len(content) > 120 else ''}"
 
 
-@cli.command(short_help="Print a session's checkpoint, read from the store.")
+def _request_words(request: Fence) -> str:
+    """A request for people: its seq, and when it was made."""
+    return f"seq {request.seq}, made {_ago_us(request.seq)}"
+
+
+@cli.command(short_help="Print a session's checkpoint, as producers load it.")
 @click.argument("session_id")
 @json_option
 def show(session_id: str, as_json: bool) -> None:
-    """Print a session's checkpoint (read from the store directly)."""
-    store = connections.open_store(_settings())
-    try:
-        checkpoint = store.load(session_id)
-    finally:
-        store.close()
+    """Print a session's checkpoint as every producer's load answers: the store's, or a
+    save still queued (said on a `pending` line; --json adds "pending": true and its
+    "pendingSeq")."""
+    from checkpointq.worker.ops import sessions
+
+    with _client(_settings()) as client:
+        session = sessions.read(client, session_id)
+    checkpoint, queued = session.checkpoint, session.queued
     if checkpoint is None:
+        if queued is not None:
+            raise CliFailure(
+                f"no live session {session_id!r}: deleted by a request still queued "
+                f"({_request_words(queued)}), not yet applied in the store"
+            )
         raise CliFailure(f"no live session {session_id!r}")
-    _emit(as_json, checkpoint_to_wire(checkpoint), _show_lines(checkpoint))
+    # The store's answer is the checkpoint's document alone, so it can be saved back as it
+    # is; a queued one says so beside the checkpoint's own fields.
+    document = checkpoint_to_wire(checkpoint)
+    human = list(_show_lines(checkpoint))
+    if queued is not None:
+        document.update(pending=True, pendingSeq=queued.seq)
+        human.insert(
+            1, f"pending   a save ({_request_words(queued)}) is queued and not yet in the store"
+        )
+    _emit(as_json, document, human)
 
 
 @cli.command(name="ls", short_help="List live session ids (all, or a page at a time).")
@@ -580,32 +602,70 @@ def show(session_id: str, as_json: bool) -> None:
     "--page-size",
     type=click.IntRange(min=1),
     metavar="N",
-    help="Print one page of about N ids, and on stderr the command for the next page.",
+    help="Print one page of about N ids, and on stderr the command for the next page. "
+    "Pages walk the store alone: writes still queued are not merged in.",
 )
 @json_option
 def list_sessions(
     limit: int | None, cursor: str | None, page_size: int | None, as_json: bool
 ) -> None:
-    """List live session ids (all of them, or one page with --page-size/--cursor)."""
-    store = connections.open_store(_settings())
+    """List live session ids as every producer's list answers, writes still queued included
+    (all of them, sorted; or one page of the store with --page-size/--cursor)."""
+    settings = _settings()
+    if page_size is not None or cursor is not None:
+        _list_store_page(settings, cursor, page_size, as_json)
+        return
+    from checkpointq.worker.ops import sessions
+
+    with _client(settings) as client:
+        listing = sessions.listing(client, limit)
+    if not as_json:
+        if listing.queued_saves:
+            _hint(
+                f"pending: {_some_ids(listing.queued_saves)}: listed for a save still queued, "
+                "not yet in the store"
+            )
+        if listing.queued_deletes:
+            _hint(
+                f"pending: {_some_ids(listing.queued_deletes)}: not listed: a delete is "
+                "queued, not yet applied in the store"
+            )
+    data = {
+        "sessions": listing.sessions,
+        "cursor": None,
+        "pending_saves": listing.queued_saves,
+        "pending_deletes": listing.queued_deletes,
+    }
+    _emit(as_json, data, [display_id(session_id) for session_id in listing.sessions])
+
+
+def _some_ids(ids: list[str], shown: int = 5) -> str:
+    """A few ids for a hint line, escaped, and how many more."""
+    names = ", ".join(display_id(session_id) for session_id in ids[:shown])
+    return names + (f" and {len(ids) - shown} more" if len(ids) > shown else "")
+
+
+def _list_store_page(
+    settings: Settings, cursor: str | None, page_size: int | None, as_json: bool
+) -> None:
+    """One page of the store's live ids (``ls --page-size/--cursor``): a cursor walks the
+    store's index, which the queued writes are not part of."""
+    store = connections.open_store(settings)
     try:
-        if page_size is not None or cursor is not None:
-            page = store.list_page(cursor, page_size or 1000)
-            ids, next_cursor = page.session_ids, page.cursor
-        else:
-            ids, next_cursor = [], None
-            for session_id in store.iter_session_ids():
-                ids.append(session_id)
-                if limit is not None and len(ids) >= limit:
-                    break
+        page = store.list_page(cursor, page_size or 1000)
     finally:
         store.close()
-    # Ids are any text Go accepted (tabs, line separators, bidi controls): shown escaped.
-    human = [display_id(session_id) for session_id in ids]
-    if next_cursor is not None and not as_json:
+    if page.cursor is not None and not as_json:
         size = f" --page-size {page_size}" if page_size is not None else ""
-        _hint(f"more: checkpointq ls{size} --cursor {next_cursor}")
-    _emit(as_json, {"sessions": ids, "cursor": next_cursor}, human)
+        _hint(f"more: checkpointq ls{size} --cursor {page.cursor}")
+    data = {
+        "sessions": page.session_ids,
+        "cursor": page.cursor,
+        "pending_saves": None,
+        "pending_deletes": None,
+    }
+    # Ids are any text Go accepted (tabs, line separators, bidi controls): shown escaped.
+    _emit(as_json, data, [display_id(session_id) for session_id in page.session_ids])
 
 
 @cli.command(short_help="Print queue depth, sessions, dead letters, workers, throughput.")

@@ -1,1 +1,2 @@
-"""Operations: heartbeats and health, metrics, the live view, and looking at the broker."""
+"""Operations: heartbeats and health, metrics, the live view, looking at the broker, the
+Redis eviction check, and sessions as producers see them (``show``, ``ls``)."""
