@@ -14,7 +14,7 @@ from checkpointq.worker.ops import eviction
 from checkpointq.worker.settings import Settings
 from tests.ops.conftest import System, start_system
 from tests.support.cluster import LocalCluster
-from tests.support.servers import RedisServer, wait_until
+from tests.support.servers import RedisServer, free_port, wait_until
 
 VOLATILE = ["--maxmemory-policy", "volatile-lru", "--maxmemory", "64mb"]
 
@@ -178,3 +178,25 @@ def test_each_primary_of_a_cluster_store_is_read() -> None:
         assert {w.memory.policy for w in found} == {"volatile-ttl"}
     finally:
         cluster.cleanup()
+
+
+def test_a_store_that_does_not_answer_is_passed_over_at_debug(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Given an evicting broker, and a store nothing listens for
+    broker = RedisServer(extra_args=VOLATILE).start()
+    store_url = f"redis://127.0.0.1:{free_port()}/0"
+    try:
+        settings = Settings(broker_url=broker.url, store_url=store_url)
+
+        # When the worker's start-up check runs
+        with caplog.at_level(logging.DEBUG, logger=eviction.__name__):
+            eviction.log_startup_warnings(settings)
+
+        # Then the broker is warned of, and the store only noted at DEBUG
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert [line.split(" has ")[0] for line in warned] == [f"broker {broker.url}"]
+        debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+        assert f"maxmemory-policy of store {store_url} unknown: not checked" in debug
+    finally:
+        broker.cleanup()

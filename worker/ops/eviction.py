@@ -117,14 +117,18 @@ def _size(count: int) -> str:
 
 def read_policy(client: Any) -> MemoryPolicy | None:
     """``client``'s Redis memory policy (one server, a ``redis.Redis``): from ``INFO
-    memory``, else ``CONFIG GET``; None when it answers neither (disabled, or down).
+    memory``, else ``CONFIG GET``; None when it refuses both, or does not answer (then
+    CONFIG GET is not tried: a server that is down or slow costs one timeout, not two).
     Never raises for Redis errors."""
     try:
         info = client.info("memory")
         if "maxmemory_policy" in info:
             return MemoryPolicy(str(info["maxmemory_policy"]), _int(info.get("maxmemory")))
+    except redis_errors.ResponseError as exc:
+        logger.debug("INFO memory refused (%s): trying CONFIG GET", exc)
     except redis_errors.RedisError as exc:
-        logger.debug("INFO memory not answered (%s): trying CONFIG GET", exc)
+        logger.debug("INFO memory not answered (%s)", exc)
+        return None
     try:
         config = client.config_get("maxmemory*")
     except redis_errors.RedisError as exc:
