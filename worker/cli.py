@@ -563,8 +563,8 @@ def _request_words(request: Fence) -> str:
 @json_option
 def show(session_id: str, as_json: bool) -> None:
     """Print a session's checkpoint as every producer's load answers: the store's, or a
-    save still queued (said on a `pending` line; --json adds "pending": true and its
-    "pendingSeq")."""
+    save still queued (said on a `pending` line; with --json, on stderr, so that the
+    document stays the checkpoint alone)."""
     from checkpointq.worker.ops import sessions
 
     with _client(_settings()) as client:
@@ -577,15 +577,15 @@ def show(session_id: str, as_json: bool) -> None:
                 f"({_request_words(queued)}), not yet applied in the store"
             )
         raise CliFailure(f"no live session {session_id!r}")
-    # The store's answer is the checkpoint's document alone, so it can be saved back as it
-    # is; a queued one says so beside the checkpoint's own fields.
+    # The document is the checkpoint's alone, so it can be saved back as it is (fields of
+    # ours would be kept in it as unknown ones); a queued answer is said beside it.
     document = checkpoint_to_wire(checkpoint)
     human = list(_show_lines(checkpoint))
     if queued is not None:
-        document.update(pending=True, pendingSeq=queued.seq)
-        human.insert(
-            1, f"pending   a save ({_request_words(queued)}) is queued and not yet in the store"
-        )
+        note = f"a save ({_request_words(queued)}) is queued and not yet in the store"
+        human.insert(1, f"pending   {note}")
+        if as_json:
+            click.echo(f"# pending: {note}", err=True)
     _emit(as_json, document, human)
 
 

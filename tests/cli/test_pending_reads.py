@@ -14,13 +14,13 @@ from tests.support.checkpoints import make_checkpoint
 PENDING_LINE = "pending   a save (seq {seq}, made "
 
 
-def _saved(cli: Cli, session_id: str, version: int = 1) -> int:
-    """Enqueue a save through the CLI; its seq."""
+def _saved(cli: Cli, session_id: str, version: int = 1) -> tuple[int, str]:
+    """Enqueue a save through the CLI; its seq and request id."""
     document = checkpoint_to_wire(make_checkpoint(session_id, version=version))
     result = cli("save", "-", "--json", input=json.dumps(document))
     assert result.exit_code == 0, result.output
-    seq: int = json.loads(result.stdout)["seq"]
-    return seq
+    sent = json.loads(result.stdout)
+    return int(sent["seq"]), str(sent["task_id"])
 
 
 def test_show_and_ls_see_a_queued_save_and_say_so_until_the_store_has_it(
@@ -28,12 +28,13 @@ def test_show_and_ls_see_a_queued_save_and_say_so_until_the_store_has_it(
 ) -> None:
     # Given an older version in the store, and a newer save accepted but still queued
     store.save(make_checkpoint("queued-a", version=1))
-    seq = _saved(cli_env, "queued-a", version=2)
-    _saved(cli_env, "queued-new")
+    seq, request = _saved(cli_env, "queued-a", version=2)
+    new_seq, new_request = _saved(cli_env, "queued-new")
 
     # When it is shown and listed
     shown = cli_env("show", "queued-a")
-    document = json.loads(cli_env("show", "queued-a", "--json").stdout)
+    shown_json = cli_env("show", "queued-a", "--json")
+    document = json.loads(shown_json.stdout)
     listed = cli_env("ls")
     listing = json.loads(cli_env("ls", "--json").stdout)
 
@@ -42,8 +43,9 @@ def test_show_and_ls_see_a_queued_save_and_say_so_until_the_store_has_it(
     assert "version   2" in shown.stdout
     assert shown.stdout.splitlines()[1].startswith(PENDING_LINE.format(seq=seq))
     assert shown.stdout.splitlines()[1].endswith(") is queued and not yet in the store")
-    assert document["version"] == 2
-    assert document["pending"] is True and document["pendingSeq"] == seq
+    # (as JSON: the checkpoint alone, savable as it is; the note on stderr)
+    assert document["version"] == 2 and "pending" not in document
+    assert shown_json.stderr.startswith(f"# pending: a save (seq {seq}, made ")
     assert listed.stdout.splitlines() == ["queued-a", "queued-new"]
     assert listed.stderr.splitlines() == [
         "# pending: queued-new: listed for a save still queued, not yet in the store"
@@ -59,8 +61,8 @@ def test_show_and_ls_see_a_queued_save_and_say_so_until_the_store_has_it(
     assert page["sessions"] == ["queued-a"] and page["pending_saves"] is None
 
     # When the store applies both saves (what a worker does)
-    store.save(make_checkpoint("queued-a", version=2), seq=seq)
-    store.save(make_checkpoint("queued-new"))
+    store.save(make_checkpoint("queued-a", version=2), seq=seq, request_id=request)
+    store.save(make_checkpoint("queued-new"), seq=new_seq, request_id=new_request)
 
     # Then the same answers come from the store, and nothing is said to be pending
     stored = cli_env("show", "queued-a")
@@ -81,7 +83,7 @@ def test_show_and_ls_see_a_queued_delete_and_say_so_until_the_store_has_it(
     store.save(make_checkpoint("kept"))
     deleted = cli_env("delete", "doomed", "--json")
     assert deleted.exit_code == 0, deleted.output
-    seq = json.loads(deleted.stdout)["seq"]
+    seq, request = json.loads(deleted.stdout)["seq"], json.loads(deleted.stdout)["task_id"]
 
     # When the deleted session is shown, and the sessions listed
     shown = cli_env("show", "doomed")
@@ -103,7 +105,7 @@ def test_show_and_ls_see_a_queued_delete_and_say_so_until_the_store_has_it(
     assert listing["sessions"] == ["kept"] and listing["pending_deletes"] == ["doomed"]
 
     # When the store applies the delete
-    assert store.delete("doomed", seq=seq)
+    assert store.delete("doomed", seq=seq, request_id=request)
 
     # Then the session is simply gone, and nothing is said to be pending
     gone = cli_env("show", "doomed")

@@ -4,7 +4,7 @@ A producer's ``load`` and ``list`` (``CheckpointClient``) merge the writes still
 pending records on the broker) with the store, so the CLI reads through the same calls and
 answers the same. What it adds is telling a queued answer from a stored one: the fence a
 load returns is the store's own, unless a request still queued answered, and then it is that
-request's, above the store's fence (or where the store has none). The store's fence is read
+request's, ordered after the store's fence (or where the store has none). The store's fence is read
 after the load, so a request a worker applied in between counts as stored, as it now is.
 docs/operations.md ("Reading sessions: show and ls") describes what the commands print.
 """
@@ -38,7 +38,7 @@ def read(client: CheckpointClient, session_id: str) -> Session:
     """
     checkpoint, fence = client.load_with_fence(session_id)
     stored = client.store.fence(session_id)
-    queued = fence if fence is not None and (stored is None or fence.seq > stored.seq) else None
+    queued = fence if fence is not None and (stored is None or fence.key > stored.key) else None
     return Session(session_id, checkpoint, queued)
 
 
