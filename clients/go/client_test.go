@@ -360,28 +360,54 @@ func TestMessageIsTheDocumentedProtocol2Envelope(t *testing.T) {
 	}
 }
 
-func TestSeqIsCausalAndMonotonic(t *testing.T) {
+func TestSeqIsCausalAndMonotonicPerSession(t *testing.T) {
 	now := time.UnixMicro(1_800_000_000_000_000)
 	clock := newSeqClock(func() time.Time { return now })
 	first, _ := clock.next("a", 0)
 	if first != now.UnixMicro() {
 		t.Fatalf("first seq %d, want the clock's %d", first, now.UnixMicro())
 	}
-	second, _ := clock.next("b", 0)
-	if second != first+1 {
-		t.Fatalf("same-microsecond seq %d, want %d", second, first+1)
+	if second, _ := clock.next("a", 0); second != first+1 {
+		t.Fatalf("same-microsecond seq of the same session %d, want %d", second, first+1)
 	}
-	// A fence seen 2 s ahead (another replica's clock) lifts this session's next stamp.
+	// Another session's stamps are its own: no process-wide floor.
+	if other, _ := clock.next("b", 0); other != now.UnixMicro() {
+		t.Fatalf("another session's seq %d, want the clock's %d", other, now.UnixMicro())
+	}
+	// A fence seen 2 s ahead (another replica's clock) lifts this session's next stamp,
+	// and no other session's.
 	ahead := now.UnixMicro() + 2_000_000
 	clock.observe("a", ahead)
 	if seq, _ := clock.next("a", 0); seq != ahead+1 {
 		t.Fatalf("seq after a fence at %d is %d, want %d", ahead, seq, ahead+1)
+	}
+	if seq, _ := clock.next("b", 0); seq != now.UnixMicro()+1 {
+		t.Fatalf("session b's seq after a's fence is %d, want b's own floor + 1, %d", seq, now.UnixMicro()+1)
 	}
 	if seq, _ := clock.next("c", ahead+10); seq != ahead+11 {
 		t.Fatalf("After(%d) gave %d", ahead+10, seq)
 	}
 	if _, err := clock.next("d", MaxSeq); !errors.Is(err, ErrInvalidInput) {
 		t.Fatalf("seq past 2^53-1: err = %v", err)
+	}
+}
+
+func TestTheClockForgetsFloorsItsTimeHasPassedBeyondTheLimit(t *testing.T) {
+	now := time.UnixMicro(1_800_000_000_000_000)
+	clock := newSeqClock(func() time.Time { return now })
+	// Given a floor ahead of the clock, and pruneAt sessions stamped now
+	clock.observe("ahead", now.UnixMicro()+5_000_000)
+	for i := 0; i < pruneAt; i++ {
+		if _, err := clock.next(fmt.Sprint("s", i), 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// When the clock moves on and one more session goes past the limit
+	now = now.Add(time.Second)
+	clock.observe("one-more", now.UnixMicro())
+	// Then the floors the clock passed are forgotten, and those still ahead kept
+	if n := len(clock.floors); n != 2 || clock.floors["ahead"] == 0 || clock.floors["one-more"] == 0 {
+		t.Fatalf("%d floors kept after the prune (ahead: %d), want 2", n, clock.floors["ahead"])
 	}
 }
 
