@@ -189,11 +189,12 @@ func TestWaitDurableEndsAtTheFirstReadThatSettlesIt(t *testing.T) {
 	h := Handle{TaskID: "t", Task: TaskSave, SessionID: "s", Seq: 1}
 	for _, tc := range []struct {
 		name  string
-		reply []interface{} // outcomeScript's: seq, deleted, req, kind, reason, entry
+		reply []interface{} // outcomeScript's: seq, deleted, req, refusal
 		want  error
 	}{
-		{"a refusal record", []interface{}{nil, nil, nil, "invalid_input", "seq ahead", "1-0"}, ErrRefused},
-		{"a fence it cannot read", []interface{}{"not a number", nil, nil, nil, nil, nil}, ErrCorrupt},
+		{"a refusal record", []interface{}{nil, nil, nil, `{"kind":"invalid_input","reason":"seq ahead","entry":"1-0"}`}, ErrRefused},
+		{"a fence it cannot read", []interface{}{"not a number", nil, nil, nil}, ErrCorrupt},
+		{"a refusal record it cannot read", []interface{}{nil, nil, nil, "kind=invalid_input"}, ErrCorrupt},
 	} {
 		// Given a store whose first answer settles the wait, and a deadline far away
 		store := &replyingRedis{reply: tc.reply}

@@ -54,8 +54,13 @@ type Config struct {
 	// worker would refuse it. Set it to the workers' value.
 	MaxValueBytes int
 	// SessionTTL is a session's lifetime (CHECKPOINTQ_TTL_SECONDS, default 30 days), and so
-	// a pending record's: a queued request can be delivered that long.
+	// a request's: one stamped seq is never applied after its deadline, seq + SessionTTL,
+	// and its pending record lives until then.
 	SessionTTL time.Duration
+	// TombstoneTTL is the store's margin for clocks that disagree
+	// (CHECKPOINTQ_TOMBSTONE_TTL_SECONDS, default 1 day): WaitDurable reports Expired for a
+	// request whose deadline is more than this in the past and that no fence names.
+	TombstoneTTL time.Duration
 	// Now is the clock that stamps requests; default time.Now.
 	Now func() time.Time
 	// WaitOnWrite makes Save and Delete return only once WaitDurable has (read-your-writes,
@@ -87,9 +92,13 @@ type Outcome string
 const (
 	// Applied: the request is what the store holds for its session.
 	Applied Outcome = "applied"
-	// Superseded: a newer request for the session won; this one no longer can (it was
-	// applied and overwritten, or refused as stale).
+	// Superseded: a request for the session ordered after this one won; this one no
+	// longer can (it was applied and overwritten, or refused as stale).
 	Superseded Outcome = "superseded"
+	// Expired: the request reached a worker past its deadline (seq + SessionTTL), or is
+	// past it now (by more than TombstoneTTL): never stored, as its session would have
+	// expired by then.
+	Expired Outcome = "expired"
 )
 
 // Result is WaitDurable's answer: the outcome and the fence it was read from.
@@ -154,6 +163,9 @@ func New[C any](cfg Config) *Client[C] {
 	}
 	if cfg.SessionTTL <= 0 {
 		cfg.SessionTTL = 30 * 24 * time.Hour
+	}
+	if cfg.TombstoneTTL <= 0 {
+		cfg.TombstoneTTL = 24 * time.Hour
 	}
 	if cfg.Now == nil {
 		cfg.Now = time.Now
@@ -521,9 +533,10 @@ func (c *Client[C]) readContext(ctx context.Context) (context.Context, context.C
 
 // -- read-your-writes --------------------------------------------------------------------
 
-// WaitDurable blocks until h's own outcome is known: Applied or Superseded. A request the
-// worker dead-lettered returns a *RefusedError (errors.Is(err, ErrRefused)) with the
-// reason and the dead letter's id. Without a deadline on ctx it waits at most WaitTimeout;
+// WaitDurable blocks until h's own outcome is known: Applied, Superseded or Expired, read
+// from the session's fence first. A request the worker dead-lettered returns a
+// *RefusedError (errors.Is(err, ErrRefused)) with the reason and the dead letter's id,
+// read from the session's refusal records. Without a deadline on ctx it waits at most WaitTimeout;
 // when the deadline passes first, the error wraps ctx's error and says how far the
 // session's fence got, or wraps ErrStoreUnavailable when the store's reads kept failing.
 // Failed reads are retried until the deadline only when the next one may succeed
@@ -539,17 +552,16 @@ func (c *Client[C]) WaitDurable(ctx context.Context, h Handle) (Result, error) {
 		ctx, cancel = context.WithTimeout(ctx, c.cfg.WaitTimeout)
 		defer cancel()
 	}
-	keys := []string{c.keys.fence(h.SessionID), c.keys.refused(h.TaskID)}
 	delay := 5 * time.Millisecond
 	var fenceSeq int64
 	var storeErr error // the last read's failure (nil once a read succeeded since)
 	succeeded := false
 	for {
-		reply, err := c.readOutcome(ctx, keys)
+		items, err := c.readOutcome(ctx, h)
 		if err == nil {
-			res, done, err := c.decide(h, reply)
+			res, done, err := c.decide(h, items)
 			if done {
-				return res, err // applied, superseded, or refused (a *RefusedError)
+				return res, err // applied, superseded, expired, or refused (a *RefusedError)
 			}
 			if err != nil {
 				return res, fmt.Errorf("%w: the outcome of %s %s for session %q: %v",
@@ -582,66 +594,6 @@ func (c *Client[C]) WaitDurable(ctx context.Context, h Handle) (Result, error) {
 			delay = 250 * time.Millisecond
 		}
 	}
-}
-
-// readOutcome reads the fence and the refusal record keys name, as outcomeScript's reply:
-// in one script call on a single Redis, in two on a cluster, where the two keys are in
-// different slots (the Python client pipelines the same two reads, fence first).
-func (c *Client[C]) readOutcome(ctx context.Context, keys []string) (interface{}, error) {
-	if !c.keys.cluster {
-		return c.cfg.Store.Eval(ctx, outcomeScript, keys)
-	}
-	fence, err := c.cfg.Store.Eval(ctx, hmgetScript, keys[:1], "seq", "deleted", "req")
-	if err != nil {
-		return nil, err
-	}
-	refusal, err := c.cfg.Store.Eval(ctx, hmgetScript, keys[1:], "kind", "reason", "entry")
-	if err != nil {
-		return nil, err
-	}
-	f, err := replyList(fence, 3)
-	if err != nil {
-		return nil, err
-	}
-	r, err := replyList(refusal, 3)
-	if err != nil {
-		return nil, err
-	}
-	return append(append(make([]interface{}, 0, 6), f...), r...), nil
-}
-
-// decide reads outcomeScript's reply: done is true once h's outcome is known (err is then
-// nil or a *RefusedError); an err without done is a reply it cannot read.
-func (c *Client[C]) decide(h Handle, reply interface{}) (res Result, done bool, err error) {
-	items, err := replyList(reply, 6)
-	if err != nil {
-		return Result{}, false, err
-	}
-	if kind, _ := replyText(items[3]); kind != "" {
-		reason, _ := replyText(items[4])
-		entry, _ := replyText(items[5])
-		return Result{}, true, &RefusedError{Handle: h, Kind: kind, Reason: reason, Entry: entry}
-	}
-	seq, hasSeq, err := replyInt(items[0])
-	if err != nil || !hasSeq {
-		return Result{}, false, err
-	}
-	c.clock.observe(h.SessionID, seq)
-	deleted, _ := replyText(items[1])
-	winner, _ := replyText(items[2])
-	res = Result{FenceSeq: seq, Deleted: deleted == "1", Winner: winner}
-	switch {
-	case winner == h.TaskID, winner == "" && seq == h.Seq:
-		// (Workers that do not record the winner: the fence at this request's own seq.)
-		res.Outcome = Applied
-	case seq > h.Seq, seq == h.Seq && winner != "" && (h.Task == TaskSave || res.Deleted):
-		// At equal seq another request holds the fence: a save can never apply over it; a
-		// delete applies over a save, but not over another delete (store/lua/*.lua).
-		res.Outcome = Superseded
-	default:
-		return res, false, nil
-	}
-	return res, true, nil
 }
 
 // -- helpers -----------------------------------------------------------------------------

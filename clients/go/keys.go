@@ -14,19 +14,24 @@ import (
 //	<prefix>:<id>                 the checkpoint
 //	<prefix>.cq:fence:<id>        its fence hash
 //	<prefix>.cq:deadlines         the deadline index
-//	<prefix>.cq:refused:<req>     request <req>'s refusal record
+//	<prefix>.cq:refusals:<id>     its refusal records: request id -> JSON {kind, reason, entry}
 //
 // On the broker (always a single Redis; docs/protocol.md, "Pending records"):
 //
-//	<prefix>.cq:pending:<id>      the newest request for <id> that the queue may hold
-//	<prefix>.cq:pending           their index: id -> record deadline (ms)
-//	<prefix>.cq:pending-epoch     a token that changes when the broker lost its data
+//	<prefix>.cq:pending-requests:<id>             one entry per request for <id> that the
+//	                                              queue may hold: request id -> "<seq> <op>"
+//	<prefix>.cq:pending-value:<n>:<id>:<req>      a pending save's value (n: len(<id>) in bytes)
+//	<prefix>.cq:pending:<id>                      the layout before issue 31 (the newest
+//	                                              request only), still read by the scripts
+//	<prefix>.cq:pending                           the index: id -> latest entry deadline (ms)
+//	<prefix>.cq:pending-epoch                     a token that changes when the broker lost its data
 //
-// Redis Cluster (ClusterKeySpace): the data key and the refusal record are the same, while
-// a session's fence and deadline index carry the hash tag of its data key's slot, so that
+// Redis Cluster (ClusterKeySpace): the data key is the same, while a session's fence,
+// refusal records and deadline index carry the hash tag of its data key's slot, so that
 // one script reads the value and the fence:
 //
 //	<prefix>.cq:{<tag>}:fence:<id>
+//	<prefix>.cq:{<tag>}:refusals:<id>
 //	<prefix>.cq:{<tag>}:slot-deadlines    one index per slot, 16384 in all
 type keySpace struct {
 	prefix  string
@@ -36,20 +41,45 @@ type keySpace struct {
 // DefaultPrefix is the Go RedisStore's key prefix.
 const DefaultPrefix = "agentorca-session"
 
-func (k keySpace) data(sessionID string) string    { return k.prefix + ":" + sessionID }
-func (k keySpace) internal() string                { return k.prefix + ".cq" }
-func (k keySpace) index() string                   { return k.internal() + ":deadlines" }
-func (k keySpace) refused(requestID string) string { return k.internal() + ":refused:" + requestID }
+func (k keySpace) data(sessionID string) string { return k.prefix + ":" + sessionID }
+func (k keySpace) internal() string             { return k.prefix + ".cq" }
+func (k keySpace) index() string                { return k.internal() + ":deadlines" }
 
+// pendingRequests is the session's pending entries, one per request the queue may hold.
+func (k keySpace) pendingRequests(sessionID string) string {
+	return k.internal() + ":pending-requests:" + sessionID
+}
+
+// pendingValuePrefix names a pending save's value key before its request id: the session
+// id comes with its length, so that no (session, request) pair names another's value.
+func (k keySpace) pendingValuePrefix(sessionID string) string {
+	return k.internal() + ":pending-value:" + strconv.Itoa(len(sessionID)) + ":" + sessionID + ":"
+}
+
+// pendingValue is a pending save's value, by session and request.
+func (k keySpace) pendingValue(sessionID, requestID string) string {
+	return k.pendingValuePrefix(sessionID) + requestID
+}
+
+// pending is the session's record in the layout before issue 31 (the newest request only):
+// producers of that release may still write it, and the scripts read it as one more entry.
 func (k keySpace) pending(sessionID string) string { return k.internal() + ":pending:" + sessionID }
 func (k keySpace) pendingIndex() string            { return k.internal() + ":pending" }
 func (k keySpace) pendingEpoch() string            { return k.internal() + ":pending-epoch" }
 
-func (k keySpace) fence(sessionID string) string {
+func (k keySpace) fence(sessionID string) string { return k.sessionKey("fence", sessionID) }
+
+// refusals is the session's refusal records: request id -> the JSON of its dead letter's
+// kind, reason and entry. By session, so that a request id names nothing outside it.
+func (k keySpace) refusals(sessionID string) string { return k.sessionKey("refusals", sessionID) }
+
+// sessionKey is the session's bookkeeping key of that kind: on a cluster, in its data
+// key's slot (the hash tag first, so that Redis hashes our tag whatever the id holds).
+func (k keySpace) sessionKey(kind, sessionID string) string {
 	if k.cluster {
-		return k.internal() + ":{" + slotTag(keySlot(k.data(sessionID))) + "}:fence:" + sessionID
+		return k.internal() + ":{" + slotTag(keySlot(k.data(sessionID))) + "}:" + kind + ":" + sessionID
 	}
-	return k.internal() + ":fence:" + sessionID
+	return k.internal() + ":" + kind + ":" + sessionID
 }
 
 // slotIndex is the cluster layout's deadline index of the sessions whose data keys hash

@@ -20,7 +20,7 @@ type clusterVectors struct {
 	Tags       map[string]string `json:"tags"`
 	TagsSHA256 string            `json:"tags_sha256"`
 	Sessions   []struct {
-		Prefix, Session, Data, Fence, Index, Refused string
+		Prefix, Session, Data, Fence, Index, Refusals string
 	} `json:"sessions"`
 }
 
@@ -57,22 +57,24 @@ func TestClusterKeysMatchPython(t *testing.T) {
 	}
 	for _, s := range v.Sessions {
 		k := keySpace{prefix: s.Prefix, cluster: true}
-		got := [4]string{k.data(s.Session), k.fence(s.Session), k.slotIndex(keySlot(k.data(s.Session))), k.refused("req-1")}
-		want := [4]string{s.Data, s.Fence, s.Index, s.Refused}
+		got := [4]string{k.data(s.Session), k.fence(s.Session), k.slotIndex(keySlot(k.data(s.Session))), k.refusals(s.Session)}
+		want := [4]string{s.Data, s.Fence, s.Index, s.Refusals}
 		if got != want {
 			t.Errorf("keys of %q under %q: got %q, Python's %q", s.Session, s.Prefix, got, want)
 		}
-		if keySlot(k.fence(s.Session)) != keySlot(k.data(s.Session)) {
-			t.Errorf("the fence of %q is not in its data key's slot", s.Session)
+		for name, key := range map[string]string{"fence": k.fence(s.Session), "refusals": k.refusals(s.Session)} {
+			if keySlot(key) != keySlot(k.data(s.Session)) {
+				t.Errorf("the %s of %q is not in its data key's slot", name, s.Session)
+			}
 		}
 	}
 }
 
 func TestSingleRedisKeysAreUnchanged(t *testing.T) {
 	k := keySpace{prefix: DefaultPrefix}
-	got := [4]string{k.data("s1"), k.fence("s1"), k.index(), k.refused("r")}
+	got := [4]string{k.data("s1"), k.fence("s1"), k.index(), k.refusals("s1")}
 	want := [4]string{"agentorca-session:s1", "agentorca-session.cq:fence:s1",
-		"agentorca-session.cq:deadlines", "agentorca-session.cq:refused:r"}
+		"agentorca-session.cq:deadlines", "agentorca-session.cq:refusals:s1"}
 	if got != want {
 		t.Fatalf("single-Redis keys %q, want %q", got, want)
 	}

@@ -3,6 +3,7 @@ package checkpointq
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"strings"
 	"testing"
@@ -200,5 +201,59 @@ func TestLoadScriptIsTheStoresOwn(t *testing.T) {
 	}
 	if string(shared) != loadScript {
 		t.Fatal("loadScript differs from store/lua/load.lua: copy the file into redis.go")
+	}
+}
+
+func TestWaitDurableDecidesByTheFenceFirstInTheFullOrder(t *testing.T) {
+	now := time.UnixMicro(1_800_000_000_000_000)
+	seq := now.UnixMicro()
+	save := Handle{TaskID: "m", Task: TaskSave, SessionID: "s", Seq: seq}
+	del := Handle{TaskID: "m", Task: TaskDelete, SessionID: "s", Seq: seq}
+	old := Handle{TaskID: "m", Task: TaskSave, SessionID: "s", Seq: seq - (31 * 24 * time.Hour).Microseconds()}
+	refusal := `{"kind":"invalid_input","reason":"bad","entry":"1-0"}`
+	fence := func(seq int64, kind, req string) []interface{} {
+		return []interface{}{fmt.Sprint(seq), kind, req}
+	}
+	for _, tc := range []struct {
+		name    string
+		h       Handle
+		fence   []interface{} // seq, deleted, req; nil: none
+		refusal interface{}
+		want    Outcome // "" with refused false: still pending
+		refused bool
+	}{
+		{"the fence names it", save, fence(seq, "0", "m"), nil, Applied, false},
+		{"the fence names it, a lapsed save", save, fence(seq, "2", "m"), nil, Expired, false},
+		{"an older worker's fence at its seq", save, fence(seq, "0", ""), nil, Applied, false},
+		{"a later seq", save, fence(seq+1, "0", "a"), nil, Superseded, false},
+		{"a delete stamped alike", save, fence(seq, "1", "a"), nil, Superseded, false},
+		{"a save stamped alike, ordered after by its id", save, fence(seq, "0", "z"), nil, Superseded, false},
+		{"a save stamped alike, ordered before by its id", save, fence(seq, "0", "a"), nil, "", false},
+		{"a lapsed save stamped alike ranks as a save", del, fence(seq, "2", "z"), nil, "", false},
+		{"a save stamped alike, for a delete", del, fence(seq, "0", "z"), nil, "", false},
+		{"another delete stamped alike, ordered after", del, fence(seq, "1", "z"), nil, Superseded, false},
+		{"no fence", save, nil, nil, "", false},
+		{"no fence, past its deadline and the margin", old, nil, nil, Expired, false},
+		{"an older fence, past its deadline and the margin", old, fence(old.Seq-1, "0", "a"), nil, Expired, false},
+		{"no fence, a refusal record", save, nil, refusal, "", true},
+		{"a fence ordered after, and a refusal record", save, fence(seq+1, "0", "a"), refusal, Superseded, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := New[Checkpoint](Config{Broker: &failingRedis{}, Now: func() time.Time { return now }})
+			items := tc.fence
+			if items == nil {
+				items = []interface{}{nil, nil, nil}
+			}
+			res, done, err := c.decide(tc.h, append(append([]interface{}{}, items...), tc.refusal))
+			var refused *RefusedError
+			switch {
+			case tc.refused:
+				if !done || !errors.As(err, &refused) || refused.Reason != "bad" || refused.Entry != "1-0" {
+					t.Fatalf("decide = %+v, %v, %v; want refused", res, done, err)
+				}
+			case err != nil || done != (tc.want != "") || res.Outcome != tc.want:
+				t.Fatalf("decide = %+v, done %v, %v; want %q", res, done, err, tc.want)
+			}
+		})
 	}
 }

@@ -37,15 +37,6 @@ local fence = redis.call('HMGET', KEYS[2], 'seq', 'deleted', 'req', 'deadline')
 return {redis.call('GET', KEYS[1]), fence[1], fence[2], fence[3], fence[4]}
 `
 
-// outcomeScript reads what WaitDurable needs in one round trip (the Python client reads the
-// same two hashes with a pipeline, which also works on a cluster).
-//
-// KEYS[1] fence hash; KEYS[2] the request's refusal record (<prefix>.cq:refused:<request id>).
-// Returns {seq, deleted, req, kind, reason, entry}, nil where absent.
-const outcomeScript = `local f = redis.call('HMGET', KEYS[1], 'seq', 'deleted', 'req')
-local r = redis.call('HMGET', KEYS[2], 'kind', 'reason', 'entry')
-return {f[1], f[2], f[3], r[1], r[2], r[3]}`
-
 // replyList reads an array reply of n elements.
 func replyList(reply interface{}, n int) ([]interface{}, error) {
 	items, ok := reply.([]interface{})

@@ -59,7 +59,7 @@ def vectors() -> dict[str, Any]:
                     "data": session.data,
                     "fence": session.fence,
                     "index": session.index,
-                    "refused": keys.refused("req-1"),
+                    "refusals": keys.refusals(session_id),
                 }
             )
     return {
