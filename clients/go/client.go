@@ -6,7 +6,7 @@
 // script that pushes it also records the request on the broker (pending.go), so that every
 // replica's Load and List see it while the queue holds it. WaitDurable tells when, and how,
 // a request took effect. Every request carries a causal seq (see docs/protocol.md, "The
-// producer rule").
+// producer rule"), which the broker checks against its own clock at publish (ErrSeqRefused).
 package checkpointq
 
 import (
@@ -17,6 +17,7 @@ import (
 	"reflect"
 	"sort"
 	"strconv"
+	"strings"
 	"time"
 )
 
@@ -25,7 +26,7 @@ type Config struct {
 	// Broker receives the requests (CHECKPOINTQ_BROKER_URL's Redis). Required.
 	Broker Redis
 	// Store is the store Redis (CHECKPOINTQ_STORE_URL); nil: the broker's, and then a Load
-	// reads the pending record and the store in one script call.
+	// reads the pending entries and the store in one script call.
 	Store Redis
 	// Cluster says the store is a Redis Cluster (a redis+cluster:// CHECKPOINTQ_STORE_URL):
 	// the client then uses the cluster key layout, and Store must route each command to
@@ -55,8 +56,14 @@ type Config struct {
 	MaxValueBytes int
 	// SessionTTL is a session's lifetime (CHECKPOINTQ_TTL_SECONDS, default 30 days), and so
 	// a request's: one stamped seq is never applied after its deadline, seq + SessionTTL,
-	// and its pending record lives until then.
+	// and its pending entry lives until then.
 	SessionTTL time.Duration
+	// MaxSeqAhead is the most a seq may be ahead of the workers' clock
+	// (CHECKPOINTQ_MAX_SEQ_AHEAD_SECONDS, default 300 s): set it to the workers'. The broker
+	// applies it at publish, against its own clock: a request stamped further ahead, or made
+	// while this producer's clock runs more than half of it ahead, fails at once with
+	// ErrSeqRefused, where a worker would have dead-lettered it later.
+	MaxSeqAhead time.Duration
 	// TombstoneTTL is the store's margin for clocks that disagree
 	// (CHECKPOINTQ_TOMBSTONE_TTL_SECONDS, default 1 day): WaitDurable reports Expired for a
 	// request whose deadline is more than this in the past and that no fence names.
@@ -164,6 +171,9 @@ func New[C any](cfg Config) *Client[C] {
 	if cfg.SessionTTL <= 0 {
 		cfg.SessionTTL = 30 * 24 * time.Hour
 	}
+	if cfg.MaxSeqAhead <= 0 {
+		cfg.MaxSeqAhead = 300 * time.Second
+	}
 	if cfg.TombstoneTTL <= 0 {
 		cfg.TombstoneTTL = 24 * time.Hour
 	}
@@ -212,7 +222,7 @@ func (c *Client[C]) Save(ctx context.Context, cp *C) (string, error) {
 
 // SaveAsync enqueues a save of cp, keeping its HistoryCap most recent messages (fewer when
 // they do not fit MaxValueBytes, as the store keeps them), and returns the request's handle
-// once the broker has it and its pending record.
+// once the broker has it and its pending entry.
 func (c *Client[C]) SaveAsync(ctx context.Context, cp *C, opts ...RequestOption) (Handle, error) {
 	if cp == nil {
 		return Handle{}, fmt.Errorf("%w: nil checkpoint", ErrInvalidInput)
@@ -286,39 +296,55 @@ func (c *Client[C]) enqueue(ctx context.Context, h Handle, body []byte, argsRepr
 	if err != nil {
 		return Handle{}, err
 	}
-	op, recorded := opSave, value
-	if h.Task == TaskDelete {
-		op, recorded = opDelete, []byte{}
-	}
 	token, err := newUUID()
 	if err != nil {
 		return Handle{}, err
 	}
-	keys := []string{c.cfg.Queue, c.keys.pendingIndex(), c.keys.pendingEpoch(), c.keys.pending(h.SessionID)}
-	args := []interface{}{msg, c.cfg.SessionTTL.Milliseconds(), token,
-		h.SessionID, strconv.FormatInt(h.Seq, 10), op, taskID, recorded}
+	keys, args := c.publishCall(h, msg, token, value)
 	if err := c.publish(ctx, h, keys, args); err != nil {
 		return Handle{}, err
 	}
 	return h, nil
 }
 
-// publish runs publishScript (the LPUSH and the pending record, atomically), retrying
+// publishCall is publishScript's KEYS and ARGV for h (its header says what each is), as
+// pending.py's push_call builds them (tests/go/test_publish_calls.py compares the two):
+// value is a save's stored value, nil for a delete; token the epoch should the broker
+// have none. ARGV[4], this producer's clock, is read again at each attempt (publish).
+func (c *Client[C]) publishCall(h Handle, msg []byte, token string, value []byte) ([]string, []interface{}) {
+	op := opSave
+	if h.Task == TaskDelete {
+		op, value = opDelete, []byte{}
+	}
+	keys := []string{c.cfg.Queue, c.keys.pendingIndex(), c.keys.pendingEpoch(),
+		c.keys.pendingRequests(h.SessionID), c.keys.pendingValue(h.SessionID, h.TaskID)}
+	args := []interface{}{msg, c.cfg.SessionTTL.Milliseconds(), token, c.cfg.Now().UnixMicro(),
+		c.cfg.MaxSeqAhead.Microseconds(), h.SessionID, h.Seq, op, h.TaskID, value}
+	return keys, args
+}
+
+// publish runs publishScript (the LPUSH and the pending entry, atomically), retrying
 // failures with backoff until PublishTimeout, except for an error reply that retrying
-// cannot change (a *RedisError, at once). A push that failed after all may still have
-// landed, so one request can arrive twice: harmless, since requests are fenced by seq, and
-// the record keeps one request per seq.
+// cannot change: the broker's refusal of the seq or of this producer's clock
+// (ErrSeqRefused), or a *RedisError, at once. A push that failed after all may still have
+// landed, so one request can arrive twice: harmless, since requests are fenced, and its
+// entry is keyed by its request id.
 func (c *Client[C]) publish(ctx context.Context, h Handle, keys []string, args []interface{}) error {
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.PublishTimeout)
 	defer cancel()
 	wait := 50 * time.Millisecond
 	for attempt := 1; ; attempt++ {
+		args[3] = c.cfg.Now().UnixMicro()
 		reply, err := c.cfg.Broker.Eval(ctx, publishScript, keys, args...)
 		if err == nil {
 			if epoch, err := replyText(reply); err == nil {
 				c.epochs.observe(epoch)
 			}
 			return nil
+		}
+		if code, text := replyCode(err); code == seqRefused {
+			return fmt.Errorf("%w: %s for session %q (seq %d) not published: %s",
+				ErrSeqRefused, h.Task, h.SessionID, h.Seq, strings.TrimSpace(strings.TrimPrefix(text, seqRefused)))
 		}
 		op := fmt.Sprintf("the publish of %s for session %q to queue %q", h.Task, h.SessionID, c.cfg.Queue)
 		if refused := c.permanent("broker", op, err); refused != nil {
@@ -342,6 +368,9 @@ func (c *Client[C]) publish(ctx context.Context, h Handle, keys []string, args [
 	}
 }
 
+// seqRefused starts publish.lua's refusals (the rest of the error says why).
+const seqRefused = "CQREFUSED"
+
 // -- reads -------------------------------------------------------------------------------
 
 // Load reads sessionID's checkpoint (Store.Load): the newest accepted write, whether the
@@ -353,12 +382,12 @@ func (c *Client[C]) Load(ctx context.Context, sessionID string) (*C, error) {
 }
 
 // LoadWithSeq is Load that also returns the seq of the request it read (0 when none): the
-// session's fence, or its pending record's seq when that is newer. A later Save or Delete
-// from this client sorts after it by itself; a process that saves what another loaded
-// passes it as After(seq).
+// session's fence, or its newest pending entry's seq when that entry is ordered after the
+// fence. A later Save or Delete from this client sorts after it by itself; a process that
+// saves what another loaded passes it as After(seq).
 //
-// The pending record is read before the store (docs/protocol.md, "Pending records": a
-// record is removed only once its request was applied, so one found missing is in the
+// The pending entries are read before the store (docs/protocol.md, "Pending records": an
+// entry is removed only once its request was applied, so one found missing is in the
 // store), in one script call when the broker is the store, else in one call to each. A
 // broker that does not answer fails the load (ErrBrokerUnavailable): the store alone may
 // miss writes the queue holds.
@@ -371,23 +400,19 @@ func (c *Client[C]) LoadWithSeq(ctx context.Context, sessionID string) (*C, int6
 	}
 	ctx, cancel := c.readContext(ctx)
 	defer cancel()
-	rec, stored, err := c.readSession(ctx, sessionID)
+	read, err := c.readSession(ctx, sessionID)
 	if err != nil {
 		return nil, 0, err
 	}
-	seq, hasSeq, err := replyInt(stored[1])
-	if err != nil {
-		return nil, 0, fmt.Errorf("%w: fence of %q: %v", ErrCorrupt, sessionID, err)
+	var seq int64
+	value, found := read.value, read.found
+	if rec := read.record; rec.wins(read.fence) {
+		// (A delete, or a save past its deadline, loads as missing.)
+		seq, value, found = rec.seq, rec.value, !rec.deleted && !rec.lapsed
+	} else if read.fence.found {
+		seq = read.fence.seq
 	}
-	var value []byte
-	found := false
-	if rec.wins(seq, hasSeq) {
-		seq, hasSeq = rec.seq, true
-		value, found = rec.value, !rec.deleted
-	} else if value, found, err = replyBytes(stored[0]); err != nil {
-		return nil, 0, fmt.Errorf("%w: load %q: %v", ErrStoreUnavailable, sessionID, err)
-	}
-	if hasSeq {
+	if seq != 0 {
 		c.clock.observe(sessionID, seq)
 	}
 	if !found {
@@ -404,55 +429,78 @@ func (c *Client[C]) LoadWithSeq(ctx context.Context, sessionID string) (*C, int6
 	return cp, seq, nil
 }
 
-// readSession reads sessionID's pending record (broker), then its value and fence (store,
-// loadScript's reply: value, seq, deleted, req, deadline).
-func (c *Client[C]) readSession(ctx context.Context, sessionID string) (pendingRecord, []interface{}, error) {
+// sessionRead is what a load read: the session's newest pending entry (its value only when
+// it answers), and the store's fence and value (found is false for none).
+type sessionRead struct {
+	record pendingRecord
+	fence  fence
+	value  []byte
+	found  bool
+}
+
+// readSession reads sessionID's newest pending entry (broker), then its value and fence
+// (store): read_pending.lua's mode "store" in one call when the broker is the store, else
+// its mode "one" on the broker, then loadScript on the store, never the other order.
+func (c *Client[C]) readSession(ctx context.Context, sessionID string) (sessionRead, error) {
 	op := fmt.Sprintf("the load of session %q", sessionID)
-	recordKeys := []string{c.keys.pending(sessionID), c.keys.pendingEpoch()}
+	entries := []string{c.keys.pendingRequests(sessionID), c.keys.pendingEpoch(), c.keys.pending(sessionID)}
 	storeKeys := []string{c.keys.data(sessionID), c.keys.fence(sessionID)}
-	var items []interface{}
+	args := []interface{}{"one", c.keys.pendingValuePrefix(sessionID), c.cfg.SessionTTL.Milliseconds()}
+	var items, stored []interface{}
 	if c.oneRedis {
-		reply, err := c.cfg.Store.Eval(ctx, loadPendingScript, append(recordKeys, storeKeys...))
+		args[0] = "store"
+		reply, err := c.cfg.Store.Eval(ctx, readPendingScript, append(entries, storeKeys...), args...)
 		if err != nil {
-			return pendingRecord{}, nil, c.readError(op, err)
+			return sessionRead{}, c.readError(op, err)
 		}
 		if items, err = replyList(reply, 10); err != nil {
-			return pendingRecord{}, nil, fmt.Errorf("%w: load %q: %v", ErrStoreUnavailable, sessionID, err)
+			return sessionRead{}, fmt.Errorf("%w: load %q: %v", ErrStoreUnavailable, sessionID, err)
 		}
+		// {value, seq, deleted, req, deadline}, as loadScript answers
+		items, stored = items[:5], items[5:]
 	} else {
-		reply, err := c.cfg.Broker.Eval(ctx, readPendingScript, recordKeys)
+		reply, err := c.cfg.Broker.Eval(ctx, readPendingScript, entries, args...)
 		if err != nil {
-			return pendingRecord{}, nil, c.brokerReadError(op, err)
+			return sessionRead{}, c.brokerReadError(op, err)
 		}
 		if items, err = replyList(reply, 5); err != nil {
-			return pendingRecord{}, nil, fmt.Errorf("%w: load %q: %v", ErrBrokerUnavailable, sessionID, err)
+			return sessionRead{}, fmt.Errorf("%w: load %q: %v", ErrBrokerUnavailable, sessionID, err)
 		}
 		if reply, err = c.cfg.Store.Eval(ctx, loadScript, storeKeys); err != nil {
-			return pendingRecord{}, nil, c.readError(op, err)
+			return sessionRead{}, c.readError(op, err)
 		}
-		stored, err := replyList(reply, 5)
-		if err != nil {
-			return pendingRecord{}, nil, fmt.Errorf("%w: load %q: %v", ErrStoreUnavailable, sessionID, err)
+		if stored, err = replyList(reply, 5); err != nil {
+			return sessionRead{}, fmt.Errorf("%w: load %q: %v", ErrStoreUnavailable, sessionID, err)
 		}
-		items = append(items, stored...)
-	}
-	rec, err := parseRecord(items[:4])
-	if err != nil {
-		return pendingRecord{}, nil, fmt.Errorf("%w: the pending record of %q: %v", ErrCorrupt, sessionID, err)
 	}
 	epoch, err := replyText(items[4])
 	if err != nil {
-		return pendingRecord{}, nil, fmt.Errorf("%w: the pending epoch: %v", ErrCorrupt, err)
+		return sessionRead{}, fmt.Errorf("%w: the pending epoch: %v", ErrCorrupt, err)
 	}
 	c.epochs.observe(epoch)
-	return rec, items[5:], nil
+	var read sessionRead
+	if read.fence, err = parseFence(stored[1:]); err != nil {
+		return sessionRead{}, fmt.Errorf("%w: fence of %q: %v", ErrCorrupt, sessionID, err)
+	}
+	if read.value, read.found, err = replyBytes(stored[0]); err != nil {
+		return sessionRead{}, fmt.Errorf("%w: load %q: %v", ErrStoreUnavailable, sessionID, err)
+	}
+	// The scripts send the value of whichever answers, the entry's or the store's.
+	if read.record, err = parseHead(items[0], items[1], items[2]); err == nil && read.record.wins(read.fence) {
+		read.record, err = parseRecord(items[:4])
+	}
+	if err != nil {
+		return sessionRead{}, fmt.Errorf("%w: the pending entries of %q: %v", ErrCorrupt, sessionID, err)
+	}
+	return read, nil
 }
 
-// List returns every live session id, sorted (Store.List), with the pending records
+// List returns every live session id, sorted (Store.List), with the pending entries
 // merged in: a session whose newest accepted request is a save is listed, one whose newest
-// is a delete is not, whether the workers applied them yet or not. It reads checkpointq's
+// is a delete (or a save past its deadline) is not, whether the workers applied them yet
+// or not. It reads checkpointq's
 // deadline index rather than SCANning the keyspace, so its cost follows the sessions (on
-// a cluster, every slot's index: see listCluster), plus the pending records, which the
+// a cluster, every slot's index: see listCluster), plus the pending entries, which the
 // requests the queue holds bound.
 func (c *Client[C]) List(ctx context.Context) ([]string, error) {
 	ctx, cancel := c.readContext(ctx)
@@ -460,7 +508,9 @@ func (c *Client[C]) List(ctx context.Context) ([]string, error) {
 	now := c.cfg.Now().UnixMilli()
 	const op = "the listing of sessions"
 	pending, err := c.pendingSessions(ctx, now) // first, as for a load
-	if err != nil {
+	if errors.Is(err, ErrCorrupt) {
+		return nil, err
+	} else if err != nil {
 		if c.oneRedis {
 			return nil, c.readError(op, err)
 		}

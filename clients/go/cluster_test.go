@@ -132,9 +132,9 @@ func TestClusterWaitDurableTellsAppliedSupersededAndRefused(t *testing.T) {
 	c, _ := newClusterClient[Checkpoint](t, Config{})
 	appliedThenSuperseded(t, c)
 
-	// A refused request: its refusal record is keyed by request id, in another slot than
-	// the session's fence, and WaitDurable reads both.
-	ahead, _ := newClusterClient[Checkpoint](t, Config{Now: aheadClock})
+	// A refused request: its refusal record is in its session's refusals, in the slot of
+	// its fence, and WaitDurable reads both.
+	ahead, _ := newClusterClient[Checkpoint](t, misconfiguredAhead)
 	mustBeRefused(t, ahead)
 }
 

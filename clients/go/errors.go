@@ -16,6 +16,13 @@ var (
 	// budget (MaxValueBytes) even with only its most recent message, or the message is
 	// over MaxMessageBytes. The error's text is the reason the worker would record.
 	ErrTooLarge = fmt.Errorf("%w (too large)", ErrInvalidInput)
+	// ErrSeqRefused (an ErrInvalidInput too): the broker refused the request at publish,
+	// checked against its own clock: this producer's clock runs more than half of
+	// Config.MaxSeqAhead ahead of the broker's, or the request's seq is more than
+	// MaxSeqAhead ahead (an After seq too far ahead), or is past its deadline already.
+	// Nothing was queued. Fix the clock (NTP), or the After seq. The error's text ends with
+	// the broker's reason. Never retried.
+	ErrSeqRefused = fmt.Errorf("%w (seq refused)", ErrInvalidInput)
 	// ErrBrokerUnavailable: the broker did not take the request within PublishTimeout
 	// (connection failures, timeouts and the error replies worth retrying, classify.go);
 	// or a Load or List could not read the pending records from a broker that is not the
@@ -25,7 +32,9 @@ var (
 	// ErrStoreUnavailable: the store Redis did not answer a read (Load, List), or not
 	// within WaitDurable's deadline (connection failures, timeouts, LOADING...).
 	ErrStoreUnavailable = errors.New("checkpointq: store unavailable")
-	// ErrCorrupt: a stored value is neither zstd JSON nor JSON of a checkpoint.
+	// ErrCorrupt: a stored value is neither zstd JSON nor JSON of a checkpoint, or a fence,
+	// pending entry or refusal record does not read as the workers and producers write it
+	// (a pending save whose value is gone before its deadline among them).
 	ErrCorrupt = errors.New("checkpointq: corrupt stored checkpoint")
 	// ErrRefused: the worker dead-lettered the request (see RefusedError for why).
 	ErrRefused = errors.New("checkpointq: request refused by the worker")

@@ -162,12 +162,20 @@ func TestSilentStoreFailsReadsWithinTheirTimeout(t *testing.T) {
 	}
 }
 
-// aheadClock is a producer clock 10 minutes ahead: the worker allows 5 and dead-letters
-// its requests.
+// aheadClock is a producer clock 10 minutes ahead: the broker allows 2.5 (half the
+// workers' 5) and refuses its requests at publish.
 func aheadClock() time.Time { return time.Now().Add(10 * time.Minute) }
 
-// mustBeRefused saves a checkpoint with ahead, whose clock is aheadClock, and checks that
-// WaitDurable says why the worker refused it.
+// misconfiguredAhead is a producer whose clock runs 6.5 minutes ahead and whose
+// MaxSeqAhead is set to 20, above the workers' 5: the broker takes what a worker refuses
+// (tests/worker/test_outcomes_e2e.py makes its refused request alike).
+var misconfiguredAhead = Config{
+	Now:         func() time.Time { return time.Now().Add(390 * time.Second) },
+	MaxSeqAhead: 20 * time.Minute,
+}
+
+// mustBeRefused saves a checkpoint with ahead, whose seq is ahead of the workers' limit
+// (misconfiguredAhead), and checks that WaitDurable says why the worker refused it.
 func mustBeRefused(t *testing.T, ahead *Client[Checkpoint]) *RefusedError {
 	t.Helper()
 	ctx := background(t)
@@ -187,7 +195,7 @@ func mustBeRefused(t *testing.T, ahead *Client[Checkpoint]) *RefusedError {
 }
 
 func TestWaitDurableRaisesWithTheReasonOfARefusedRequest(t *testing.T) {
-	refused := mustBeRefused(t, newClient[Checkpoint](t, Config{Now: aheadClock}))
+	refused := mustBeRefused(t, newClient[Checkpoint](t, misconfiguredAhead))
 	entries, err := redis.Values(env.store.Do("XRANGE", DefaultPrefix+".cq:dead-letters", refused.Entry, refused.Entry))
 	if err != nil || len(entries) != 1 {
 		t.Fatalf("dead letter %s: %v, %v", refused.Entry, entries, err)

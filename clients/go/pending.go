@@ -12,50 +12,53 @@ import (
 )
 
 // Pending records (docs/protocol.md, "Pending records"): every save and delete is pushed
-// by one script that also records, on the broker, the newest accepted request per session;
-// loads and lists merge them with the store by seq, so a request the queue still holds (the
-// workers stopped, or the store refusing writes) is seen by every replica's next load, and
-// the save made from that load keeps it.
+// by one script that also writes, on the broker, an entry for the request in its session's
+// entries (request id -> "<seq> <op>", a save's value beside it, all living until the
+// request's deadline); a worker removes exactly that entry once it settles the request.
+// Loads and lists take each session's entry ordered last and merge it with the store by
+// the order of requests (outcomes.go), so a request the queue still holds (the workers
+// stopped, or the store refusing writes) is seen by every replica's next load, and the
+// save made from that load keeps it.
 
 // publishScript is tasks/lua/publish.lua, byte for byte (a test compares them): the one
-// script every producer of ours pushes with.
+// script every producer of ours pushes with. It checks this producer's clock and the
+// request's seq against the broker's clock before it writes anything.
 //
 //go:embed lua/publish.lua
 var publishScript string
 
-// loadPendingScript reads the record, the epoch, the value and the fence in one call, when
-// the broker is the store; readPendingScript reads the record and the epoch on a broker that
-// is not the store. Both are tasks/lua's, byte for byte (a test compares them), and both
-// read a staged save's value from the key its record names.
+// readPendingScript is tasks/lua/read_pending.lua, byte for byte (a test compares them):
+// a session's newest entry and the epoch (mode "one"), the same with the store's value and
+// fence when the broker is the store (mode "store"), or the newest entry of many sessions
+// (mode "heads"). Entries of the layout before issue 31 (keys.pending) take part too.
 //
-//go:embed lua/load_pending.lua
-var loadPendingScript string
-
 //go:embed lua/read_pending.lua
 var readPendingScript string
 
-// hmgetEachScript reads the same fields of many hashes (List's records and fences).
+// hmgetEachScript reads the same fields of many hashes (List's fences).
 //
 //go:embed lua/hmget_each.lua
 var hmgetEachScript string
 
-// Record ops, as the script stores them.
+// Entry ops: publish.lua's, and read_pending.lua's "lapsed" for a save past its deadline.
 const (
 	opSave   = "save"
 	opDelete = "delete"
+	opLapsed = "lapsed"
 )
 
-// pendingRecord is a session's pending record as read from the broker.
+// pendingRecord is a session's newest pending request as read from the broker.
 type pendingRecord struct {
 	found   bool
 	seq     int64
 	deleted bool
+	lapsed  bool // a save past its deadline: never to be stored, its session reads as expired
 	req     string
-	value   []byte // a save's stored value
+	value   []byte // a save's stored value, when read
 }
 
-// parseRecordHead reads a record's seq and op; a record without a seq is none.
-func parseRecordHead(seqItem, opItem interface{}) (pendingRecord, error) {
+// parseHead reads an entry's seq, op and request id; an entry without a seq is none.
+func parseHead(seqItem, opItem, reqItem interface{}) (pendingRecord, error) {
 	seq, found, err := replyInt(seqItem)
 	if err != nil || !found {
 		return pendingRecord{}, err
@@ -64,37 +67,40 @@ func parseRecordHead(seqItem, opItem interface{}) (pendingRecord, error) {
 	if err != nil {
 		return pendingRecord{}, err
 	}
-	if op != opSave && op != opDelete {
-		return pendingRecord{}, fmt.Errorf("op %q is neither save nor delete", op)
+	if op != opSave && op != opDelete && op != opLapsed {
+		return pendingRecord{}, fmt.Errorf("op %q is not save, delete or lapsed", op)
 	}
-	return pendingRecord{found: true, seq: seq, deleted: op == opDelete}, nil
+	req, err := replyText(reqItem)
+	if err != nil {
+		return pendingRecord{}, err
+	}
+	return pendingRecord{found: true, seq: seq, deleted: op == opDelete, lapsed: op == opLapsed, req: req}, nil
 }
 
-// parseRecord reads {seq, op, req, value} (HMGET order); a record without a seq is none.
+// parseRecord reads {seq, op, req, value} (read_pending.lua's order) of an entry that
+// answers a load: a save's value must be there (pending.py's parse_record).
 func parseRecord(items []interface{}) (pendingRecord, error) {
-	rec, err := parseRecordHead(items[0], items[1])
-	if err != nil || !rec.found {
+	rec, err := parseHead(items[0], items[1], items[2])
+	if err != nil || !rec.found || rec.deleted || rec.lapsed {
+		return rec, err
+	}
+	if rec.value, _, err = replyBytes(items[3]); err != nil {
 		return pendingRecord{}, err
 	}
-	req, err := replyText(items[2])
-	if err != nil {
-		return pendingRecord{}, err
+	if len(rec.value) == 0 {
+		return pendingRecord{}, fmt.Errorf("the value of pending save %s (seq %d) is gone before its deadline "+
+			"(evicted? run the broker with maxmemory-policy noeviction)", rec.req, rec.seq)
 	}
-	value, _, err := replyBytes(items[3])
-	if err != nil {
-		return pendingRecord{}, err
-	}
-	if !rec.deleted && len(value) == 0 {
-		return pendingRecord{}, fmt.Errorf("a pending save without a value")
-	}
-	rec.req, rec.value = req, value
 	return rec, nil
 }
 
-// wins says whether the record, rather than the store, is the session's answer: its
-// request is newer than the last one applied (or none was).
-func (r pendingRecord) wins(fenceSeq int64, hasFence bool) bool {
-	return r.found && (!hasFence || r.seq > fenceSeq)
+// key is the order key of the entry's request.
+func (r pendingRecord) key() orderKey { return orderKey{r.seq, r.deleted, r.req} }
+
+// wins says whether the entry, rather than the store, is the session's answer: its
+// request is ordered after the one that set the fence (or there is no fence).
+func (r pendingRecord) wins(f fence) bool {
+	return r.found && (!f.found || r.key().after(f.key()))
 }
 
 // epochs follows the broker's pending epoch. A token other than the last one seen (or
@@ -132,11 +138,12 @@ func (e *epochs) observe(epoch string) {
 // every request the workers applied; requests the lost queue held are lost with it.
 func (c *Client[C]) EpochChanges() int64 { return c.epochs.changes.Load() }
 
-// keysPerCall bounds the hashes one hmgetEachScript call reads.
+// keysPerCall bounds the sessions one script call reads (pending.py's _HEADS_PER_CALL).
 const keysPerCall = 500
 
-// pendingSessions reads the live pending records: the index (ids whose record deadline is
-// after now, ms), then each record's seq and op.
+// pendingSessions reads the live pending entries: the index (ids whose latest entry
+// deadline is after now, ms), then each session's newest entry (read_pending.lua, mode
+// "heads"), keysPerCall sessions per call; a session with none left is not returned.
 func (c *Client[C]) pendingSessions(ctx context.Context, now int64) (map[string]pendingRecord, error) {
 	var ids []string
 	var cursor uint64
@@ -154,26 +161,40 @@ func (c *Client[C]) pendingSessions(ctx context.Context, now int64) (map[string]
 			break
 		}
 	}
+	ttl := c.cfg.SessionTTL.Milliseconds()
 	records := make(map[string]pendingRecord, len(ids))
-	err := c.hmgetEach(ctx, c.cfg.Broker, ids, c.keys.pending, []interface{}{"seq", "op"},
-		func(id string, values []interface{}) error {
-			rec, err := parseRecordHead(values[0], values[1])
+	for start := 0; start < len(ids); start += keysPerCall {
+		chunk := ids[start:min(start+keysPerCall, len(ids))]
+		keys := make([]string, 0, 2*len(chunk))
+		for _, id := range chunk {
+			keys = append(keys, c.keys.pendingRequests(id), c.keys.pending(id))
+		}
+		reply, err := c.cfg.Broker.Eval(ctx, readPendingScript, keys, "heads", ttl)
+		if err != nil {
+			return nil, err
+		}
+		items, err := replyList(reply, 3*len(chunk))
+		if err != nil {
+			return nil, err
+		}
+		for i, id := range chunk {
+			rec, err := parseHead(items[3*i], items[3*i+1], items[3*i+2])
 			if err != nil {
-				return fmt.Errorf("the pending record of %q: %v", id, err)
+				return nil, fmt.Errorf("%w: the pending entries of %q: %v", ErrCorrupt, id, err)
 			}
 			if rec.found {
 				records[id] = rec
 			}
-			return nil
-		})
-	return records, err
+		}
+	}
+	return records, nil
 }
 
 // mergePending applies to seen (the store's live ids, listed before the fences are read)
-// each pending record newer than its session's fence: a save lists the session, a delete
-// hides it. Where a worker applied the request since the listing, the fence says the
-// session's state instead: listed iff its last request was a save whose deadline (ms) is
-// after now.
+// each session's newest entry that is ordered after its fence: a save lists the session,
+// a delete or a lapsed save hides it. Where a worker applied the request since the
+// listing, the fence says the session's state instead: listed iff its last request was a
+// save whose deadline (ms) is after now.
 func (c *Client[C]) mergePending(ctx context.Context, now int64, pending map[string]pendingRecord, seen map[string]struct{}) error {
 	if len(pending) == 0 {
 		return nil
@@ -197,18 +218,16 @@ func (c *Client[C]) mergePending(ctx context.Context, now int64, pending map[str
 		}
 	}
 	for _, batch := range batches {
-		err := c.hmgetEach(ctx, c.cfg.Store, batch, c.keys.fence, []interface{}{"seq", "deleted", "deadline"},
+		err := c.hmgetEach(ctx, c.cfg.Store, batch, c.keys.fence, []interface{}{"seq", "deleted", "req", "deadline"},
 			func(id string, values []interface{}) error {
-				seq, hasFence, err := replyInt(values[0])
+				f, err := parseFence(values)
 				if err != nil {
 					return fmt.Errorf("%w: fence of %q: %v", ErrCorrupt, id, err)
 				}
-				listed := !pending[id].deleted
-				if !pending[id].wins(seq, hasFence) {
-					deleted, _ := replyText(values[1])
-					deadline, _ := replyText(values[2])
-					due, err := strconv.ParseFloat(deadline, 64)
-					listed = deleted != "1" && err == nil && due > float64(now)
+				rec := pending[id]
+				listed := f.live(now)
+				if rec.wins(f) {
+					listed = !rec.deleted && !rec.lapsed
 				}
 				if listed {
 					seen[id] = struct{}{}
@@ -229,11 +248,7 @@ func (c *Client[C]) mergePending(ctx context.Context, now int64, pending map[str
 func (c *Client[C]) hmgetEach(ctx context.Context, r Redis, ids []string, key func(string) string,
 	fields []interface{}, each func(id string, values []interface{}) error) error {
 	for start := 0; start < len(ids); start += keysPerCall {
-		end := start + keysPerCall
-		if end > len(ids) {
-			end = len(ids)
-		}
-		chunk := ids[start:end]
+		chunk := ids[start:min(start+keysPerCall, len(ids))]
 		keys := make([]string, len(chunk))
 		for i, id := range chunk {
 			keys[i] = key(id)
@@ -263,4 +278,11 @@ func sameRedis(broker, store Redis) bool {
 	}
 	tb, ts := reflect.TypeOf(broker), reflect.TypeOf(store)
 	return tb == ts && tb.Comparable() && broker == store
+}
+
+func min(a, b int) int {
+	if a < b {
+		return a
+	}
+	return b
 }

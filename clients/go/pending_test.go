@@ -65,12 +65,13 @@ func deliver(t *testing.T, c *Client[Checkpoint], handles ...Handle) {
 	}
 }
 
-// waitSettled polls until the worker removed id's pending record and its index entry from
-// broker (once the request is applied): the broker holds records only for what is queued.
+// waitSettled polls until the workers removed id's pending entries and its index entry
+// from broker (once its requests are settled): the broker holds entries only for what is
+// queued.
 func waitSettled(t *testing.T, broker *redisServer, id string) {
 	t.Helper()
-	err := pollUntil(30*time.Second, "the pending record of "+id+" to be settled", func() bool {
-		n, err1 := redis.Int(broker.Do("EXISTS", DefaultPrefix+".cq:pending:"+id))
+	err := pollUntil(30*time.Second, "the pending entries of "+id+" to be settled", func() bool {
+		n, err1 := redis.Int(broker.Do("EXISTS", DefaultPrefix+".cq:pending-requests:"+id))
 		score, err2 := broker.Do("ZSCORE", DefaultPrefix+".cq:pending", id)
 		return err1 == nil && err2 == nil && n == 0 && score == nil
 	})
@@ -299,42 +300,64 @@ func TestAPendingDeleteHidesAStoredSession(t *testing.T) {
 	}
 }
 
-func TestThePendingRecordIsTheDocumentedHash(t *testing.T) {
+func TestThePendingEntriesAreTheDocumentedLayout(t *testing.T) {
 	c := newClient[Checkpoint](t, Config{Queue: "held-" + t.Name()})
 	ctx := background(t)
-	id := sessionID(t, "rec")
+	id := sessionID(t, "rec ç")
 	t.Cleanup(func() { _, _ = env.broker.Do("DEL", c.cfg.Queue) })
+	// Given a save of the session, on a queue no worker reads
 	h, err := c.SaveAsync(ctx, sampleCheckpoint(id, 2, "hi"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	key := DefaultPrefix + ".cq:pending:" + id
-	fields, err := redis.StringMap(env.broker.Do("HGETALL", key))
-	if err != nil {
-		t.Fatal(err)
+	// Then its entry is in the session's entries, named by its request id, and its value,
+	// the stored value exactly, under the session (with its length in bytes) and request
+	entries := DefaultPrefix + ".cq:pending-requests:" + id
+	valueKey := fmt.Sprintf("%s.cq:pending-value:%d:%s:%s", DefaultPrefix, len(id), id, h.TaskID)
+	fields, err := redis.StringMap(env.broker.Do("HGETALL", entries))
+	if err != nil || len(fields) != 1 || fields[h.TaskID] != fmt.Sprint(h.Seq, " save") {
+		t.Fatalf("entries %q = %q, %v", entries, fields, err)
 	}
+	value, err := redis.Bytes(env.broker.Do("GET", valueKey))
 	want, _ := SerializeCheckpoint(sampleCheckpoint(id, 2, "hi"))
-	doc, err := decodeValue([]byte(fields["value"]))
-	if err != nil || string(doc) != string(want) || fields["seq"] != fmt.Sprint(h.Seq) || fields["op"] != "save" ||
-		fields["req"] != h.TaskID || len(fields) != 4 || !strings.HasPrefix(fields["value"], string(zstdMagic)) {
-		t.Fatalf("record %q = %q (value %s, %v)", key, fields, doc, err)
+	if err != nil || !strings.HasPrefix(string(value), string(zstdMagic)) {
+		t.Fatalf("value %q: %.20q, %v", valueKey, value, err)
 	}
-	ttl, err := redis.Int64(env.broker.Do("PTTL", key))
+	if doc, err := decodeValue(value); err != nil || string(doc) != string(want) {
+		t.Fatalf("value %q holds %s, %v", valueKey, doc, err)
+	}
+	// And they live until the request's deadline, its seq + the session TTL, which the
+	// index holds
 	month := (30 * 24 * time.Hour).Milliseconds()
-	if err != nil || ttl > month || ttl < month-60_000 {
-		t.Fatalf("PTTL %d, %v; want about 30 days", ttl, err)
+	deadline := func(seq int64) int64 { return seq/1000 + month }
+	expiresAt := func(key string) int64 {
+		at, err := redis.Int64(env.broker.Do("PEXPIRETIME", key))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return at
 	}
-	deadline, err := redis.Int64(env.broker.Do("ZSCORE", DefaultPrefix+".cq:pending", id))
-	if err != nil || deadline < time.Now().UnixMilli()+month-60_000 {
-		t.Fatalf("index deadline %d, %v", deadline, err)
+	score, err := redis.Int64(env.broker.Do("ZSCORE", DefaultPrefix+".cq:pending", id))
+	if expiresAt(entries) != deadline(h.Seq) || expiresAt(valueKey) != deadline(h.Seq) || err != nil || score != deadline(h.Seq) {
+		t.Fatalf("entries expire at %d, value at %d, index %d (%v); want %d", expiresAt(entries), expiresAt(valueKey),
+			score, err, deadline(h.Seq))
 	}
+	// When the session is deleted, then the delete's entry joins the save's (each is
+	// settled by its own request), with no value, and the deadlines move to the delete's
 	del, err := c.DeleteAsync(ctx, id)
 	if err != nil {
 		t.Fatal(err)
 	}
-	fields, err = redis.StringMap(env.broker.Do("HGETALL", key))
-	if err != nil || len(fields) != 3 || fields["op"] != "delete" || fields["seq"] != fmt.Sprint(del.Seq) || fields["req"] != del.TaskID {
-		t.Fatalf("tombstone record = %q, %v", fields, err)
+	fields, err = redis.StringMap(env.broker.Do("HGETALL", entries))
+	if err != nil || len(fields) != 2 || fields[del.TaskID] != fmt.Sprint(del.Seq, " delete") || fields[h.TaskID] == "" {
+		t.Fatalf("entries after the delete = %q, %v", fields, err)
+	}
+	if n, err := redis.Int(env.broker.Do("EXISTS", c.keys.pendingValue(id, del.TaskID))); n != 0 || err != nil {
+		t.Fatalf("a delete's value key exists: %d, %v", n, err)
+	}
+	score, err = redis.Int64(env.broker.Do("ZSCORE", DefaultPrefix+".cq:pending", id))
+	if expiresAt(entries) != deadline(del.Seq) || err != nil || score != deadline(del.Seq) {
+		t.Fatalf("entries expire at %d, index %d (%v); want the delete's deadline %d", expiresAt(entries), score, err, deadline(del.Seq))
 	}
 	if n, err := redis.Int(env.broker.Do("LLEN", c.cfg.Queue)); n != 2 || err != nil {
 		t.Fatalf("queue holds %d, %v; want the 2 messages", n, err)
@@ -344,7 +367,6 @@ func TestThePendingRecordIsTheDocumentedHash(t *testing.T) {
 func TestPendingScriptsAreTheProtocolsOwn(t *testing.T) {
 	for name, embedded := range map[string]string{
 		"publish.lua":      publishScript,
-		"load_pending.lua": loadPendingScript,
 		"read_pending.lua": readPendingScript,
 	} {
 		shared, err := os.ReadFile("../../tasks/lua/" + name)
@@ -354,6 +376,9 @@ func TestPendingScriptsAreTheProtocolsOwn(t *testing.T) {
 		if string(shared) != embedded {
 			t.Fatalf("lua/%s differs from tasks/lua/%s: copy the file", name, name)
 		}
+	}
+	if _, err := os.Stat("lua/load_pending.lua"); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("lua/load_pending.lua is still there (read_pending.lua's mode 'store' replaced it): %v", err)
 	}
 }
 

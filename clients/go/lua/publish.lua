@@ -1,71 +1,82 @@
--- Push one message onto the queue and record, per session it carries, the newest accepted
--- request (docs/protocol.md, "Pending records"), atomically: a load that reads the record
--- sees every request the queue holds, and no record exists for a message that was not pushed.
+-- Push one message onto the queue and record, for each request it carries, a pending entry
+-- in its session's entries (docs/protocol.md, "Pending records"), atomically: a load that
+-- reads the entries sees every request the queue holds, and no entry exists for a message
+-- that was not pushed. The request's deadline (its seq in ms + the session TTL: a save past
+-- it is never applied, store/ordering.py) is how long its entry and its value live.
 --
 -- KEYS[1]      the queue (a list)
--- KEYS[2]      the pending index: sorted set, session id -> record deadline (ms, server time)
+-- KEYS[2]      the pending index: sorted set, session id -> the latest deadline of its
+--              entries (ms)
 -- KEYS[3]      the pending epoch: a token that changes only when the broker lost its data
--- KEYS[4..]    one pending record key per request in the message (<prefix>.cq:pending:<id>),
---              then one staged value key per "staged" request, in the same order
---              (<prefix>.cq:pending-value:<request id>, SET by the caller just before)
--- ARGV[1]      the message, as LPUSH stores it; or "" when the caller LPUSHes it itself in
---              the same MULTI/EXEC, just before this script (the message then never passes
---              through Lua, which copies every argument: worth it for large messages only)
--- ARGV[2]      the records' lifetime, ms
+-- KEYS[4..]    two per request in the message, in ARGV order: its session's entries
+--              (<prefix>.cq:pending-requests:<id>, a hash: request id -> "<seq> <op>"),
+--              then its value key (<prefix>.cq:pending-value:<n>:<id>:<request id>; unused
+--              by a delete). A staged save's value is there already (SET by the caller
+--              just before this script); a plain save's value is written here.
+-- ARGV[1]      the message, as LPUSH stores it
+-- ARGV[2]      the session TTL, ms
 -- ARGV[3]      a fresh random token, the epoch if the broker has none yet
--- ARGV[4..]    five per record, in KEYS order: session id, seq, op ("save" | "delete" |
---              "staged"), request id, value (save: the stored value; delete, staged: "")
--- A "staged" request is a save whose value waits in its staged value key (docs/protocol.md,
--- "Staged saves"): its record says where, and the key lives as long as the message may.
+-- ARGV[4]      the producer's clock when it publishes, microseconds since the epoch
+-- ARGV[5]      the most a seq may be ahead of the broker's clock, microseconds
+-- ARGV[6..]    five per request: session id, seq, op ("save" | "delete" | "staged"),
+--              request id, value (save: the stored value; delete, staged: "")
+-- Refused before any write, with a CQREFUSED error naming why (nothing is pushed):
+-- a producer clock more than half the limit ahead of the broker's (its requests would
+-- make every later request of their sessions wait or be refused), a seq more than the
+-- limit ahead, a seq that is not a time or is past its deadline already (a clock behind
+-- by more than the TTL). A staged save whose value is missing is refused with ERR.
 -- Returns the epoch.
-local ttl = tonumber(ARGV[2])
-local records = (#ARGV - 3) / 5
--- A staged message without its value could never be applied: refuse it before any write.
-for i = 4 + records, #KEYS do
-  if redis.call('EXISTS', KEYS[i]) == 0 then
-    return redis.error_reply('ERR staged value ' .. KEYS[i] .. ' is missing')
+local ttl, limit = tonumber(ARGV[2]), tonumber(ARGV[5])
+local records = (#ARGV - 5) / 5
+local time = redis.call('TIME')
+local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local now_ms = math.floor(now_us / 1000)
+local ahead = tonumber(ARGV[4]) - now_us
+if ahead > limit / 2 then
+  return redis.error_reply(string.format(
+    "CQREFUSED clock: this producer's clock is %.1f s ahead of the broker's (at most %.1f s"
+      .. ' allowed): fix its time synchronisation (NTP)', ahead / 1e6, limit / 2e6))
+end
+for i = 1, records do
+  local a = 6 + (i - 1) * 5
+  local seq = tonumber(ARGV[a + 1])
+  if not string.match(ARGV[a + 1], '^%d+$') or seq < 1577836800000000 then
+    return redis.error_reply('CQREFUSED seq: ' .. ARGV[a + 1] .. ' is not a time in'
+      .. ' microseconds (the producer rule, docs/protocol.md)')
+  elseif seq - now_us > limit then
+    return redis.error_reply(string.format('CQREFUSED seq: %s is %.1f s ahead of the'
+      .. " broker's clock (at most %.1f s allowed)", ARGV[a + 1], (seq - now_us) / 1e6, limit / 1e6))
+  elseif math.floor(seq / 1000) + ttl <= now_ms then
+    return redis.error_reply('CQREFUSED seq: ' .. ARGV[a + 1] .. ' is past its deadline'
+      .. " already (more than the session TTL behind the broker's clock)")
+  elseif ARGV[a + 2] == 'staged' and redis.call('EXISTS', KEYS[3 + 2 * i]) == 0 then
+    return redis.error_reply('ERR staged value ' .. KEYS[3 + 2 * i] .. ' is missing')
   end
 end
 -- The push is the script's first write: a broker at maxmemory refuses it (OOM) before
 -- anything changed. Redis lets a script that has written go on past maxmemory, so a DEL
 -- first would have let every later write through.
-if ARGV[1] ~= '' then
-  redis.call('LPUSH', KEYS[1], ARGV[1])
-end
+redis.call('LPUSH', KEYS[1], ARGV[1])
 local epoch = redis.call('GET', KEYS[3])
 if not epoch then
   redis.call('SET', KEYS[3], ARGV[3])
   epoch = ARGV[3]
 end
-local now = redis.call('TIME')
-local deadline = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) + ttl
-local staged = 4 + records
-for i = 4, 3 + records do
-  local a = 4 + (i - 4) * 5
-  local seq, op = tonumber(ARGV[a + 1]), ARGV[a + 2]
-  local value_key = nil
+for i = 1, records do
+  local a = 6 + (i - 1) * 5
+  local entries, value_key = KEYS[2 + 2 * i], KEYS[3 + 2 * i]
+  local op, deadline = ARGV[a + 2], math.floor(tonumber(ARGV[a + 1]) / 1000) + ttl
   if op == 'staged' then
-    -- The message needs its value for as long as it may be delivered, whether or not its
-    -- record wins below.
-    value_key, op, staged = KEYS[staged], 'save', staged + 1
-    redis.call('PEXPIRE', value_key, ttl)
+    -- The message needs its value for as long as it may be applied.
+    op = 'save'
+    redis.call('PEXPIREAT', value_key, deadline)
+  elseif op == 'save' then
+    redis.call('SET', value_key, ARGV[a + 4], 'PXAT', deadline)
   end
-  local current = redis.call('HMGET', KEYS[i], 'seq', 'op')
-  local held = tonumber(current[1])
-  -- The newest request wins; at equal seq a delete wins over a save, as in the store.
-  if held == nil or seq > held or (seq == held and op == 'delete' and current[2] ~= 'delete') then
-    redis.call('DEL', KEYS[i])
-    if value_key then
-      redis.call('HSET', KEYS[i], 'seq', ARGV[a + 1], 'op', op, 'req', ARGV[a + 3],
-        'staged', value_key)
-    elseif op == 'save' then
-      redis.call('HSET', KEYS[i], 'seq', ARGV[a + 1], 'op', op, 'req', ARGV[a + 3],
-        'value', ARGV[a + 4])
-    else
-      redis.call('HSET', KEYS[i], 'seq', ARGV[a + 1], 'op', op, 'req', ARGV[a + 3])
-    end
-    redis.call('PEXPIRE', KEYS[i], ttl)
-    redis.call('ZADD', KEYS[2], deadline, ARGV[a])
+  redis.call('HSET', entries, ARGV[a + 3], ARGV[a + 1] .. ' ' .. op)
+  if redis.call('PEXPIRETIME', entries) < deadline then
+    redis.call('PEXPIREAT', entries, deadline)
   end
+  redis.call('ZADD', KEYS[2], 'GT', deadline, ARGV[a])
 end
 return epoch

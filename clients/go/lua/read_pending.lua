@@ -1,16 +1,97 @@
--- Read a session's pending record and the broker's epoch (the broker side of a load when
--- the store is another Redis; docs/protocol.md, "Pending records"). clients/go/lua/
--- read_pending.lua is the Go client's copy.
+-- Read the newest pending request of sessions from the broker (docs/protocol.md, "Pending
+-- records"): of a session's entries (one per request the queue may still hold, written by
+-- publish.lua, removed one by one by settle.lua), the one ordered last (store/ordering.py:
+-- by seq, then a delete over a save, then the request id byte by byte). A record of the
+-- earlier layout (<prefix>.cq:pending:<id>, one hash per session, written by producers
+-- before issue 31) takes part as one more entry. clients/go/lua/read_pending.lua is the
+-- Go client's copy, byte for byte.
 --
--- KEYS[1]  the pending record (<prefix>.cq:pending:<id>)
--- KEYS[2]  the pending epoch (<prefix>.cq:pending-epoch)
---
--- Returns {seq, op, req, value, epoch}, each nil (false) where absent. Read-only. A staged
--- save's record names its value's key (docs/protocol.md, "Staged saves"), read here in the
--- value's place: a key the record names, not KEYS, which a single Redis allows (pending
--- records are never on a cluster).
-local record = redis.call('HMGET', KEYS[1], 'seq', 'op', 'req', 'value', 'staged')
-if record[5] then
-  record[4] = redis.call('GET', record[5])
+-- ARGV[1]  the mode:
+--   'one'    KEYS: the session's entries, the pending epoch, its earlier-layout record.
+--            ARGV[2]: the session's value key prefix (<prefix>.cq:pending-value:<n>:<id>:,
+--            to which a save's request id is appended), ARGV[3]: the session TTL in ms.
+--            Returns {seq, op, req, value, epoch}: op 'save' with its value, 'delete', or
+--            'lapsed' (a save past its deadline: never to be stored, its session reads as
+--            expired); false for each when there is no entry.
+--   'store'  KEYS: as 'one', then the session's data key and fence hash, on this same
+--            Redis (one Redis for broker and store). ARGV as 'one'. Returns 'one's five,
+--            then {stored value, fence seq, deleted, req, deadline}: a save entry's value
+--            only when the entry is ordered after the fence, the stored value only when
+--            it is not (a load needs one of them).
+--   'heads'  KEYS: per session, its entries then its earlier-layout record. ARGV[2]: the
+--            session TTL in ms. Returns {seq, op, req} per session, false where none.
+-- A value key named from the prefix, not in KEYS, is allowed on a single Redis: pending
+-- records never live on a cluster. Read-only.
+local mode, now = ARGV[1], redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local ttl = tonumber(mode == 'heads' and ARGV[2] or ARGV[3])
+
+local function before(a, b) -- a < b byte by byte (Lua's < follows the server's locale)
+  local i = 1
+  while i <= #a and i <= #b and a:byte(i) == b:byte(i) do i = i + 1 end
+  return (b:byte(i) or -1) > (a:byte(i) or -1)
 end
-return {record[1], record[2], record[3], record[4], redis.call('GET', KEYS[2])}
+
+-- Whether request (seq, delete?, req) is ordered after (seq2, delete2?, req2).
+local function after(seq, del, req, seq2, del2, req2)
+  if seq ~= seq2 then
+    return seq > seq2
+  elseif del ~= del2 then
+    return del
+  end
+  return before(req2, req)
+end
+
+-- The entry ordered last: {seq text, op, req, value key or false}; nil when none.
+local function head(entries, legacy, prefix)
+  local best
+  local flat = redis.call('HGETALL', entries)
+  for i = 1, #flat, 2 do
+    local seq, op = string.match(flat[i + 1], '^(%d+) (%a+)$')
+    if seq and (not best or after(tonumber(seq), op == 'delete', flat[i],
+        tonumber(best[1]), best[2] == 'delete', best[3])) then
+      best = {seq, op, flat[i], prefix and (prefix .. flat[i])}
+    end
+  end
+  local old = redis.call('HMGET', legacy, 'seq', 'op', 'req', 'staged')
+  if old[1] and (not best or after(tonumber(old[1]), old[2] == 'delete', old[3] or '',
+      tonumber(best[1]), best[2] == 'delete', best[3])) then
+    -- its value is in the record itself, or in the staged key it names
+    best = {old[1], old[2], old[3] or '', old[4] or {legacy}}
+  end
+  if best and best[2] == 'save' and tonumber(best[1]) >= 1577836800000000
+      and math.floor(tonumber(best[1]) / 1000) + ttl <= now_ms then
+    best[2] = 'lapsed'
+  end
+  return best
+end
+
+local function value(best)
+  if not best or best[2] ~= 'save' then
+    return false
+  elseif type(best[4]) == 'table' then
+    return redis.call('HGET', best[4][1], 'value')
+  end
+  return redis.call('GET', best[4])
+end
+
+if mode == 'heads' then
+  local out = {}
+  for i = 1, #KEYS, 2 do
+    local best = head(KEYS[i], KEYS[i + 1], nil) or {false, false, false}
+    out[#out + 1], out[#out + 2], out[#out + 3] = best[1], best[2], best[3]
+  end
+  return out
+end
+
+local best = head(KEYS[1], KEYS[3], ARGV[2])
+local epoch = redis.call('GET', KEYS[2])
+local none = best or {false, false, false}
+if mode == 'one' then
+  return {none[1], none[2], none[3], value(best), epoch}
+end
+local fence = redis.call('HMGET', KEYS[5], 'seq', 'deleted', 'req', 'deadline')
+local answers = best and (not fence[1] or after(tonumber(best[1]), best[2] == 'delete', best[3],
+  tonumber(fence[1]), fence[2] == '1', fence[3] or ''))
+return {none[1], none[2], none[3], answers and value(best) or false, epoch,
+  (not answers) and redis.call('GET', KEYS[4]) or false, fence[1], fence[2], fence[3], fence[4]}
