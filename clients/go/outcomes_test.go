@@ -202,6 +202,40 @@ func TestWaitDurableRaisesWithTheReasonOfARefusedRequest(t *testing.T) {
 	}
 }
 
+func TestAProducerWhoseClockRunsAheadIsRefusedAtOnce(t *testing.T) {
+	// Given a producer whose clock runs 10 minutes ahead (the workers allow 5), publishing
+	// to a queue no worker reads
+	conn := newRedigo(env.broker.Addr)
+	t.Cleanup(func() { _ = conn.Close() })
+	broker := &countingRedis{Redis: conn}
+	cfg := Config{Broker: broker, Queue: "held-" + t.Name(), Now: aheadClock, PublishTimeout: time.Minute}
+	fast, healthy := newClient[Checkpoint](t, cfg), newClient[Checkpoint](t, Config{})
+	ctx := background(t)
+	id := sessionID(t, "fast")
+	// When it saves or deletes
+	_, saveErr := fast.SaveAsync(ctx, sampleCheckpoint(id, 1, "hi"))
+	_, deleteErr := fast.DeleteAsync(ctx, id)
+	// Then the broker refuses each at once (one call each, never retried), naming the clock
+	for call, err := range map[string]error{"SaveAsync": saveErr, "DeleteAsync": deleteErr} {
+		if !errors.Is(err, ErrSeqRefused) || !errors.Is(err, ErrInvalidInput) || errors.Is(err, ErrBrokerUnavailable) ||
+			!strings.Contains(err.Error(), "clock is 600") || !strings.Contains(err.Error(), "ahead of the broker's") {
+			t.Fatalf("%s: err = %v, want ErrSeqRefused naming the clock 600 s ahead", call, err)
+		}
+	}
+	if n := broker.evals.Load(); n != 2 {
+		t.Fatalf("%d publishes, want 2: a refusal was retried", n)
+	}
+	// And nothing was queued, nothing is pending: no load sees it, none adopts its seq
+	for key, what := range map[string]string{cfg.Queue: "LLEN", DefaultPrefix + ".cq:pending-requests:" + id: "EXISTS"} {
+		if n, err := redis.Int(env.broker.Do(what, key)); n != 0 || err != nil {
+			t.Fatalf("%s %s = %d, %v; want 0", what, key, n, err)
+		}
+	}
+	if cp, seq := mustLoad(t, healthy, id); cp != nil || seq != 0 || mustList(t, healthy)[id] {
+		t.Fatalf("a refused save is seen: Load = %+v at seq %d, listed %v", cp, seq, mustList(t, healthy)[id])
+	}
+}
+
 func TestLoadScriptIsTheStoresOwn(t *testing.T) {
 	shared, err := os.ReadFile("../../store/lua/load.lua")
 	if err != nil {

@@ -579,3 +579,108 @@ func TestGoAndPythonReplicasSeeEachOthersPendingTurns(t *testing.T) {
 		t.Fatalf("the fence of the applied turn 4 is %d, the record's seq was %d", after, seq)
 	}
 }
+
+func TestAFastReplicasFenceRaisesOnlyItsSessionsStamps(t *testing.T) {
+	// Given replica A, whose clock runs 2 minutes ahead (within the broker's limit), saving
+	// a session, and replica B, whose clock is right
+	a := newClient[Checkpoint](t, Config{Now: func() time.Time { return time.Now().Add(2 * time.Minute) }})
+	b := newClient[Checkpoint](t, Config{})
+	shared, own := sessionID(t, "shared"), sessionID(t, "own")
+	ah := mustSave(t, a, sampleCheckpoint(shared, 1, "from A"))
+	// When B loads that session, then saves it and another session
+	cp, loaded := mustLoad(t, b, shared)
+	if cp == nil || loaded != ah.Seq {
+		t.Fatalf("B loaded %+v at seq %d; want A's save at %d", cp, loaded, ah.Seq)
+	}
+	cp.Version++
+	next := mustSave(t, b, cp)
+	before := time.Now().UnixMicro()
+	other := mustSave(t, b, sampleCheckpoint(own, 1, "from B"))
+	after := time.Now().UnixMicro()
+	// Then only the loaded session's save is stamped after A's; the other keeps B's clock
+	if next.Seq <= ah.Seq {
+		t.Fatalf("B's save of the loaded session at %d does not sort after A's %d", next.Seq, ah.Seq)
+	}
+	if other.Seq < before || other.Seq > after {
+		t.Fatalf("B's save of another session at %d, want B's wall clock, within [%d, %d] (A's fence is %d)",
+			other.Seq, before, after, ah.Seq)
+	}
+	// And the workers apply all three
+	for _, h := range []Handle{next, other} {
+		mustWait(t, b, h, Applied)
+	}
+	mustWait(t, a, ah, Superseded)
+}
+
+func TestSettlingASaveLeavesADeleteStampedAlikePending(t *testing.T) {
+	// Given a session in the store at seq f, and two replicas whose clocks lag it, so that
+	// one's save and the other's delete are both stamped f + 1 (issue 31, hole 2)
+	id := sessionID(t, "alike")
+	first := mustSave(t, newClient[Checkpoint](t, Config{}), sampleCheckpoint(id, 1, "stored"))
+	f := mustWait(t, newClient[Checkpoint](t, Config{}), first, Applied).FenceSeq
+	lagging := Config{Queue: "held-" + t.Name(), Now: func() time.Time { return time.UnixMicro(f - 1_000_000) }}
+	saver, deleter := newClient[Checkpoint](t, lagging), newClient[Checkpoint](t, lagging)
+	saved, err := saver.SaveAsync(background(t), sampleCheckpoint(id, 2, "saved"), After(f))
+	if err != nil {
+		t.Fatal(err)
+	}
+	deleted, err := deleter.DeleteAsync(background(t), id, After(f))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if saved.Seq != f+1 || deleted.Seq != f+1 {
+		t.Fatalf("seqs %d and %d, want both %d", saved.Seq, deleted.Seq, f+1)
+	}
+	// When the save alone reaches the worker, is applied and settled
+	if _, err := env.broker.Do("RPOPLPUSH", saver.cfg.Queue, "checkpoints"); err != nil {
+		t.Fatal(err)
+	}
+	mustWait(t, saver, saved, Applied)
+	entries := DefaultPrefix + ".cq:pending-requests:" + id
+	if err := pollUntil(30*time.Second, "the save's entry to be settled", func() bool {
+		n, err := redis.Int(env.broker.Do("HEXISTS", entries, saved.TaskID))
+		return err == nil && n == 0
+	}); err != nil {
+		t.Fatal(err)
+	}
+	// Then the delete's entry is still there, and every load and list answers the delete
+	reader := newClient[Checkpoint](t, Config{})
+	if n, err := redis.Int(env.broker.Do("HEXISTS", entries, deleted.TaskID)); n != 1 || err != nil {
+		t.Fatalf("the delete's entry is gone (%d, %v) though its request is queued", n, err)
+	}
+	if cp, seq := mustLoad(t, reader, id); cp != nil || seq != deleted.Seq || mustList(t, reader)[id] {
+		t.Fatalf("Load = %+v at seq %d (listed %v); want the pending delete at %d", cp, seq, mustList(t, reader)[id], deleted.Seq)
+	}
+	// And once delivered, the delete is applied over the save stamped alike
+	deliver(t, deleter)
+	mustWait(t, reader, deleted, Applied)
+	mustWait(t, reader, saved, Superseded)
+	if s := stored(t, env.store, id); s != nil {
+		t.Fatalf("the store holds %+v after the delete", s)
+	}
+}
+
+func TestAPendingSaveReadsAsExpiredPastItsDeadlineAndFailsWithoutItsValue(t *testing.T) {
+	// Given a save held on a queue no worker reads, over a session the store holds
+	queue := "held-" + t.Name()
+	c := newClient[Checkpoint](t, Config{Queue: queue})
+	t.Cleanup(func() { _, _ = env.broker.Do("DEL", queue) })
+	id := sessionID(t, "s")
+	mustWait(t, c, mustSave(t, newClient[Checkpoint](t, Config{}), sampleCheckpoint(id, 1, "stored")), Applied)
+	h := mustSave(t, c, sampleCheckpoint(id, 2, "pending"))
+	// When it is read by a replica whose session TTL has already passed since its seq
+	// (read_pending.lua answers "lapsed": it will never be stored)
+	late := newClient[Checkpoint](t, Config{SessionTTL: time.Millisecond})
+	time.Sleep(2 * time.Millisecond)
+	// Then that replica loads the session as missing, at the save's seq, and lists it not
+	if cp, seq := mustLoad(t, late, id); cp != nil || seq != h.Seq || mustList(t, late)[id] {
+		t.Fatalf("Load = %+v at seq %d (listed %v); want none at the lapsed save's %d", cp, seq, mustList(t, late)[id], h.Seq)
+	}
+	// And when the save's value is gone before its deadline (evicted), loads fail, saying so
+	if _, err := env.broker.Do("DEL", c.keys.pendingValue(id, h.TaskID)); err != nil {
+		t.Fatal(err)
+	}
+	if cp, err := c.Load(background(t), id); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "gone before its deadline") {
+		t.Fatalf("Load = %+v, %v; want ErrCorrupt saying the value is gone", cp, err)
+	}
+}
