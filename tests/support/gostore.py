@@ -1,6 +1,7 @@
 """The Go cross-check program, ``tests/go/gostore``: built once per run, it does what the Go
 checkpoint package's ``RedisStore`` does (encoding/json + klauspost zstd + SET EX 30 d / GET /
-DEL / SCAN), one request per run.
+DEL / SCAN), one request per run. ``build`` builds ``tests/go/publishcall`` too, which runs the
+Go client itself (tests/go/test_publish_calls.py).
 
 Go and its two libraries come from Debian's packages (scripts/setup-env installs them when
 missing and run as root, as CI is); the build runs in GOPATH mode over /usr/share/gocode, so
@@ -66,9 +67,11 @@ class GoStore:
         return sorted(self._call({"op": "list"}).get("ids", []))
 
 
-def build(out: Path, gopath: Path) -> Path:
-    """Build the program to ``out`` (GOPATH mode; ``gopath`` a scratch directory) and return
-    its path; skip the calling test when Go or a library is missing."""
+def build(out: Path, gopath: Path, program: str = "gostore") -> Path:
+    """Build ``tests/go/<program>`` to ``out`` (GOPATH mode; ``gopath`` a scratch directory,
+    where ``src/checkpointq`` links to this repository so that a program can import the Go
+    client, ``checkpointq/clients/go``) and return its path; skip the calling test when Go
+    or a library is missing."""
     go = shutil.which("go")
     missing = [name for name, path in LIBRARIES.items() if not path.is_dir()]
     if go is None or missing:
@@ -77,6 +80,8 @@ def build(out: Path, gopath: Path) -> Path:
             + ", ".join(["golang-go", *LIBRARIES] if go is None else missing)
             + " (Debian packages; scripts/setup-env installs them when run as root)"
         )
+    (gopath / "src").mkdir(parents=True, exist_ok=True)
+    (gopath / "src" / "checkpointq").symlink_to(REPO, target_is_directory=True)
     env = {
         **os.environ,
         "GO111MODULE": "off",
@@ -86,7 +91,7 @@ def build(out: Path, gopath: Path) -> Path:
         "GOCACHE": os.environ.get("GOCACHE", str(REPO / ".gopath" / "cache")),
     }
     subprocess.run(
-        [go, "build", "-o", str(out), "./tests/go/gostore"],
+        [go, "build", "-o", str(out), f"./tests/go/{program}"],
         cwd=REPO,
         env=env,
         check=True,
