@@ -226,7 +226,7 @@ def test_the_console_script_the_image_runs_is_declared(
     dockerfile: list[tuple[str, str]],
 ) -> None:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert pyproject["project"]["scripts"]["checkpointq"] == "checkpointq.worker.cli:main"
+    assert pyproject["project"]["scripts"]["checkpointq"] == "checkpointq.worker.console:main"
 
 
 def test_the_build_context_keeps_local_state_out(dockerfile: list[tuple[str, str]]) -> None:

@@ -6,7 +6,8 @@ A user's project usually has its own ``tasks.py`` (Celery's layout), often a ``w
 starts may pick up the user's modules from the current directory. The wheel is built from
 this checkout and installed with its dependencies into a new venv, then ``up``, ``save
 --wait`` and ``show`` run in a directory whose ``tasks.py``, ``worker.py``, ``store.py`` and
-``checkpointq.py`` fail loudly if imported.
+``checkpointq.py`` fail loudly if imported. Before the worker extra is added to that venv,
+every command run there must say, in one line, that it needs ``checkpointq[worker]``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ INSTALL_TIMEOUT = 600
 DEADLINE = 90
 #: Modules a user's project may have beside it; importing any of them is the failure.
 SHADOWS = ("tasks", "worker", "store", "checkpointq")
+#: Commands run without the worker extra: the help, one that runs Celery, and ones that read.
+COMMANDS = [(), ("--help",), ("worker",), ("ls",), ("show", "wheel-demo"), ("dlq", "ls")]
+
+#: What each command printed, by its arguments.
+Runs = dict[tuple[str, ...], subprocess.CompletedProcess[str]]
 
 
 def _run(*args: str | Path, cwd: Path | None = None, timeout: float = INSTALL_TIMEOUT) -> str:
@@ -49,15 +55,43 @@ def _run(*args: str | Path, cwd: Path | None = None, timeout: float = INSTALL_TI
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A clean venv with the wheel built from this checkout installed; returns its bin dir."""
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel built from this checkout."""
+    dist = tmp_path_factory.mktemp("dist")
+    _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", dist, ROOT)
+    (found,) = dist.glob("checkpointq-*.whl")
+    return found
+
+
+@pytest.fixture(scope="module")
+def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A clean venv with the wheel and no extra (``pip install checkpointq``); its bin dir."""
     base = tmp_path_factory.mktemp("wheel")
-    _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", base / "dist", ROOT)
-    (wheel,) = (base / "dist").glob("checkpointq-*.whl")
     _run(sys.executable, "-m", "venv", base / "venv")
-    # The worker's extra: `up` runs a worker and beat.
-    _run(base / "venv" / "bin" / "python", "-m", "pip", "install", "-q", f"{wheel}[worker]")
+    _run(base / "venv" / "bin" / "python", "-m", "pip", "install", "-q", wheel)
     return base / "venv" / "bin"
+
+
+@pytest.fixture(scope="module")
+def without_extra(venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """Each of COMMANDS as run in ``venv`` before ``installed`` adds the worker extra to it."""
+    cwd = tmp_path_factory.mktemp("no-extra")
+    return {args: _checkpointq(venv, cwd, *args) for args in (*COMMANDS, ("--version",))}
+
+
+@pytest.fixture(scope="module")
+def installed(
+    wheel: Path,
+    venv: Path,
+    without_extra: Runs,
+) -> Path:
+    """``venv`` with the worker extra added (`up` runs a worker and beat); its bin dir.
+
+    One venv serves both installs, so the test without the extra costs one more pip call,
+    not a venv of its own; ``without_extra`` is a dependency so that it runs first.
+    """
+    _run(venv / "python", "-m", "pip", "install", "-q", f"{wheel}[worker]")
+    return venv
 
 
 @pytest.fixture
@@ -76,6 +110,22 @@ def user_project(tmp_path: Path) -> Path:
 def _env(bin_dir: Path) -> dict[str, str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("CHECKPOINTQ_", "PYTHON"))}
     return {**base, "PATH": f"{bin_dir}{os.pathsep}{base.get('PATH', '')}"}
+
+
+def _checkpointq(
+    bin_dir: Path, cwd: Path, *args: str, input: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``checkpointq ARGS`` from ``bin_dir``, run in ``cwd`` as a user's shell runs it."""
+    return subprocess.run(
+        [bin_dir / "checkpointq", *args],
+        cwd=cwd,
+        env=_env(bin_dir),
+        input=input,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+        check=False,
+    )
 
 
 def test_wheel_installs_only_the_checkpointq_namespace(installed: Path) -> None:
@@ -100,6 +150,27 @@ def test_wheel_installs_only_the_checkpointq_namespace(installed: Path) -> None:
     assert {p.name for p in (package / "store" / "lua").glob("*.lua")} >= {"save.lua"}
 
 
+def test_without_the_worker_extra_every_command_names_it_in_one_line(
+    without_extra: Runs,
+) -> None:
+    # Given the wheel installed with no extra: no Celery, kombu, click, redbeat or rich
+    # When each command runs (in the fixture, before the extra is added)
+    for args in COMMANDS:
+        done = without_extra[args]
+        # Then it fails as the CLI's errors do: exit 1, one line naming the extra, no traceback
+        lines = done.stderr.splitlines()
+        assert (done.returncode, len(lines), done.stdout) == (1, 1, ""), (args, done.stderr)
+        assert "pip install 'checkpointq[worker]'" in lines[0], (args, lines)
+        assert "Traceback" not in done.stderr, (args, done.stderr)
+    # And --version still answers
+    version = without_extra[("--version",)]
+    assert (version.returncode, version.stdout, version.stderr) == (
+        0,
+        "checkpointq, version 0.1.0\n",
+        "",
+    )
+
+
 @pytest.fixture
 def up(installed: Path, user_project: Path) -> Iterator[subprocess.Popen[bytes]]:
     command = [str(installed / "checkpointq"), "up"]
@@ -111,16 +182,7 @@ def test_installed_up_save_show_never_import_the_users_modules(
     installed: Path, user_project: Path, up: subprocess.Popen[bytes]
 ) -> None:
     def checkpointq(*args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [installed / "checkpointq", *args],
-            cwd=user_project,
-            env=_env(installed),
-            input=input,
-            capture_output=True,
-            text=True,
-            timeout=DEADLINE,
-            check=False,
-        )
+        return _checkpointq(installed, user_project, *args, input=input)
 
     log = user_project / "up.log"
     # Given `up` from the installed wheel, started in a project with its own tasks.py etc.
