@@ -35,6 +35,7 @@ from checkpointq.tasks.producer.client import CheckpointClient, Handle
 from checkpointq.tasks.producer.outcomes import SUPERSEDED, RequestOutcome
 from checkpointq.tasks.sweep import sweep as run_sweep
 from checkpointq.worker import connections
+from checkpointq.worker.console import missing_worker_extra
 from checkpointq.worker.settings import Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -115,6 +116,11 @@ class _Cli(click.Group):
             raise CliFailure(f"broker: {type(exc).__name__}: {exc}") from None
         except OSError as exc:
             raise CliFailure(f"{type(exc).__name__}: {exc}") from None
+        except ModuleNotFoundError as exc:  # e.g. `top` beside a Celery installed without rich
+            message = missing_worker_extra(exc)
+            if message is None:
+                raise
+            raise CliFailure(message) from None
 
 
 def _quiet_stdout() -> None:

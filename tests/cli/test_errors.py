@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import click
 import pytest
 
 from checkpointq.worker.cli import cli
-from tests.cli.conftest import Cli
+from tests.cli.conftest import COMMAND_TIMEOUT, Cli
 from tests.support.servers import SilentListener, free_port
 
 SECRET = "s3cr3t-hunter2"
@@ -64,6 +67,32 @@ def test_a_real_process_prints_no_traceback_and_no_password(dead_url_cli: Cli) -
     assert len(completed.stderr.splitlines()) == 1, completed.stderr
     assert "Traceback" not in completed.stderr
     assert SECRET not in completed.stderr
+
+
+def test_a_command_missing_a_module_of_the_worker_extra_names_the_extra(cli_offline: Cli) -> None:
+    # Given click and Celery importable but rich not, as beside an API server's own Celery
+    # with checkpointq installed without the extra (tests/cli/test_wheel.py: no Celery at all)
+    script = (
+        "import sys; sys.modules['rich'] = None; import checkpointq.worker.console as c; c.main()"
+    )
+
+    # When a command that needs rich runs, through the console script's entry point
+    completed = subprocess.run(
+        [sys.executable, "-c", script, "top", "--once"],
+        cwd=cli_offline.cwd,
+        env=cli_offline.process_env(),
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT,
+        check=False,
+    )
+
+    # Then it is the CLI's one-line error, naming the extra and the missing module
+    assert (completed.returncode, completed.stdout) == (1, ""), completed.stderr
+    assert completed.stderr.splitlines() == [
+        "checkpointq: error: this command needs the worker extra: "
+        "pip install 'checkpointq[worker]' (rich is not installed)"
+    ]
 
 
 def test_without_url_or_embedded_redis_commands_say_how_to_configure(cli_offline: Cli) -> None:
