@@ -11,21 +11,33 @@ from __future__ import annotations
 import sys
 from importlib import metadata
 
-#: Top-level modules of the worker extra (pyproject.toml) that the CLI and its commands import.
-WORKER_EXTRA_MODULES = frozenset(
-    {"celery", "kombu", "click", "redbeat", "prometheus_client", "rich"}
+#: Modules of the worker extra (pyproject.toml) that the CLI and its commands import.
+WORKER_EXTRA_MODULES = (
+    "click",
+    "celery",
+    "kombu",
+    "redbeat",
+    "prometheus_client",
+    "rich",
+    "backports.zstd",
 )
 
 
 def missing_worker_extra(exc: ModuleNotFoundError) -> str | None:
     """The error line for ``exc`` if the module it misses comes with the worker extra."""
-    module = (exc.name or "").partition(".")[0]
-    if module not in WORKER_EXTRA_MODULES:
-        return None
-    return (
-        "this command needs the worker extra: "
-        f"pip install 'checkpointq[worker]' ({module} is not installed)"
-    )
+    missing = exc.name or ""
+    for module in WORKER_EXTRA_MODULES:
+        if missing == module or missing.startswith(f"{module}."):
+            named = missing
+        elif module.startswith(f"{missing}."):  # a namespace (backports) absent altogether
+            named = module
+        else:
+            continue
+        return (
+            "this command needs the worker extra: "
+            f"pip install 'checkpointq[worker]' ({named} is not installed)"
+        )
+    return None
 
 
 def main() -> None:

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import tomllib
+from importlib.metadata import packages_distributions
 
 import click
 import pytest
 
 from checkpointq.worker.cli import cli
+from checkpointq.worker.console import missing_worker_extra
 from tests.cli.conftest import COMMAND_TIMEOUT, Cli
+from tests.support.markdown import ROOT
 from tests.support.servers import SilentListener, free_port
 
 SECRET = "s3cr3t-hunter2"
@@ -93,6 +98,51 @@ def test_a_command_missing_a_module_of_the_worker_extra_names_the_extra(cli_offl
         "checkpointq: error: this command needs the worker extra: "
         "pip install 'checkpointq[worker]' (rich is not installed)"
     ]
+
+
+@pytest.mark.parametrize(
+    ("missing", "named"),
+    [
+        ("click", "click"),
+        ("kombu.transport.virtual", "kombu.transport.virtual"),
+        ("backports", "backports.zstd"),  # the namespace package, absent altogether
+        ("yaml", None),  # not the extra's: a bug, left to raise
+        ("richer", None),
+    ],
+)
+def test_only_a_module_of_the_worker_extra_is_blamed_on_it(missing: str, named: str | None) -> None:
+    message = missing_worker_extra(ModuleNotFoundError(name=missing))
+
+    if named is None:
+        assert message is None
+    else:
+        assert message == (
+            "this command needs the worker extra: pip install 'checkpointq[worker]' "
+            f"({named} is not installed)"
+        )
+
+
+def test_every_distribution_of_the_worker_extra_is_named_when_its_module_is_missing() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = {_distribution(r) for r in project["dependencies"]}
+    extra = {_distribution(r) for r in project["optional-dependencies"]["worker"]} - base
+    modules = {
+        module: _distribution(name)
+        for module, names in packages_distributions().items()
+        for name in names
+        if _distribution(name) in extra
+    }
+
+    assert set(modules.values()) == extra  # each is installed here, with its modules
+    unnamed = [m for m in modules if missing_worker_extra(ModuleNotFoundError(name=m)) is None]
+    assert unnamed == [], "add them to checkpointq.worker.console.WORKER_EXTRA_MODULES"
+
+
+def _distribution(requirement: str) -> str:
+    """A requirement's distribution name, normalised (PEP 503)."""
+    name = re.match(r"[A-Za-z0-9._-]+", requirement)
+    assert name is not None, requirement
+    return re.sub(r"[-_.]+", "-", name.group(0)).lower()
 
 
 def test_without_url_or_embedded_redis_commands_say_how_to_configure(cli_offline: Cli) -> None:
