@@ -143,7 +143,7 @@ func (c *Client[C]) decide(h Handle, items []interface{}) (res Result, done bool
 	}
 	switch {
 	case !f.found:
-		if c.pastDeadline(h.Seq) {
+		if c.lapsed(h) {
 			res.Outcome = Expired
 		}
 	case f.req == h.TaskID, f.req == "" && f.seq == h.Seq:
@@ -154,7 +154,7 @@ func (c *Client[C]) decide(h Handle, items []interface{}) (res Result, done bool
 		}
 	case f.key().after(h.key()):
 		res.Outcome = Superseded
-	case c.pastDeadline(h.Seq):
+	case c.lapsed(h):
 		res.Outcome = Expired
 	}
 	if res.Outcome != "" {
@@ -169,6 +169,12 @@ func (c *Client[C]) decide(h Handle, items []interface{}) (res Result, done bool
 		return res, false, fmt.Errorf("refusal record %q: %v", raw, err)
 	}
 	return res, true, &RefusedError{Handle: h, Kind: refusal.Kind, Reason: refusal.Reason, Entry: refusal.Entry}
+}
+
+// lapsed says whether h is a save certainly past its deadline: it can no longer apply. A
+// delete applies at any age (outcomes.decide).
+func (c *Client[C]) lapsed(h Handle) bool {
+	return h.Task != TaskDelete && c.pastDeadline(h.Seq)
 }
 
 // pastDeadline says whether a request stamped seq is certainly past its deadline (seq +

@@ -252,6 +252,7 @@ func TestWaitDurableDecidesByTheFenceFirstInTheFullOrder(t *testing.T) {
 	save := Handle{TaskID: "m", Task: TaskSave, SessionID: "s", Seq: seq}
 	del := Handle{TaskID: "m", Task: TaskDelete, SessionID: "s", Seq: seq}
 	old := Handle{TaskID: "m", Task: TaskSave, SessionID: "s", Seq: seq - (31 * 24 * time.Hour).Microseconds()}
+	oldDel := Handle{TaskID: "m", Task: TaskDelete, SessionID: "s", Seq: old.Seq}
 	refusal := `{"kind":"invalid_input","reason":"bad","entry":"1-0"}`
 	fence := func(seq int64, kind, req string) []interface{} {
 		return []interface{}{fmt.Sprint(seq), kind, req}
@@ -277,6 +278,8 @@ func TestWaitDurableDecidesByTheFenceFirstInTheFullOrder(t *testing.T) {
 		{"no fence", save, nil, nil, "", false},
 		{"no fence, past its deadline and the margin", old, nil, nil, Expired, false},
 		{"an older fence, past its deadline and the margin", old, fence(old.Seq-1, "0", "a"), nil, Expired, false},
+		{"a delete past its deadline still applies", oldDel, fence(old.Seq-1, "0", "a"), nil, "", false},
+		{"a delete past its deadline, no fence", oldDel, nil, nil, "", false},
 		{"no fence, a refusal record", save, nil, refusal, "", true},
 		{"a fence ordered after, and a refusal record", save, fence(seq+1, "0", "a"), refusal, Superseded, false},
 	} {

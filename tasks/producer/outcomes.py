@@ -47,8 +47,9 @@ def decide(
     lapsed: bool = False,
 ) -> RequestOutcome | None:
     """The outcome of request ``request_id`` (a ``task`` stamped ``seq``), or None while it
-    may still apply. ``lapsed``: the request is past its deadline (``store.ordering``), so it
-    can no longer apply whatever the fence says."""
+    may still apply. ``lapsed``: the request is past its deadline (``store.ordering``), so a
+    save can no longer apply whatever the fence says (a delete applies at any age)."""
+    lapsed = lapsed and task != DELETE
     if fence is None:
         return RequestOutcome(EXPIRED, 0, False, "") if lapsed else None
     winner = fence.request_id
