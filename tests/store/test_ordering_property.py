@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from checkpointq.store import Checkpoint, CheckpointStore, InMemoryStore, RedisStore
+from checkpointq.store.ordering import SEQ_TIME_FLOOR
 from tests.store.conftest import StoreEnv
 from tests.support.checkpoints import make_checkpoint
 
@@ -22,13 +24,19 @@ requests = st.lists(
 )
 
 
+#: Counters, and times from now on: a time seq in the past could be past its deadline, and
+#: lapse (how long a request may apply is tests/store/test_lifetimes.py's to prove).
+_NOW_US = int(time.time() * 1_000_000)
+_seqs = st.one_of(
+    st.integers(1, SEQ_TIME_FLOOR - 1), st.integers(_NOW_US, _NOW_US + 86_400_000_000)
+)
+
+
 @st.composite
 def deliveries(draw: st.DrawFn) -> tuple[list[tuple[bool, int, int]], list[int], list[int]]:
     """Requests, distinct seqs for them, and a delivery order with duplicates."""
     reqs = draw(requests)
-    seqs = draw(
-        st.lists(st.integers(1, 2**53 - 1), min_size=len(reqs), max_size=len(reqs), unique=True)
-    )
+    seqs = draw(st.lists(_seqs, min_size=len(reqs), max_size=len(reqs), unique=True))
     duplicates = draw(st.lists(st.integers(0, len(reqs) - 1), max_size=len(reqs)))
     order = draw(st.permutations(list(range(len(reqs))) + duplicates))
     return reqs, seqs, order
