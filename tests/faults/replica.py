@@ -7,7 +7,8 @@ skewed). It answers ``ready`` on stdout, then reads one JSON line per round on s
 of ``[session_id, version]`` turns. For each turn it does what the apiserver does, load then
 save (a checkpoint with that version); then it waits for every save's own outcome
 (``wait_durable``) and writes one JSON line: per turn the version it loaded, the save's
-``seq`` and its outcome, ``applied``, ``superseded``, ``refused`` (with the reason) or
+``seq`` and its outcome, ``applied``, ``superseded``, ``refused`` (with the reason),
+``refused at publish`` (the broker refused it at once: its seq or this replica's clock) or
 ``timeout`` (no outcome: a save dropped silently). An empty line or EOF ends it.
 """
 
@@ -18,11 +19,14 @@ import sys
 from typing import Any
 
 from checkpointq.store.redis import RedisStore
-from checkpointq.tasks.errors import RequestRefused
+from checkpointq.tasks.errors import RequestRefused, SeqRefused
 from checkpointq.tasks.producer.client import CheckpointClient
 from checkpointq.tasks.producer.clock import SeqClock, wall_clock_us
 from tests.faults.harness import QUEUE
 from tests.support.checkpoints import make_checkpoint
+
+#: A save the broker refused at publish: never queued, nothing to wait for.
+REFUSED_AT_PUBLISH = "refused at publish"
 
 #: Longest wait for one save's outcome; past it the turn is reported as ``timeout``.
 OUTCOME_TIMEOUT = 60.0
@@ -31,11 +35,19 @@ OUTCOME_TIMEOUT = 60.0
 def play(client: CheckpointClient, turns: list[list[Any]]) -> list[dict[str, Any]]:
     """Load and save each turn's session, then learn each save's outcome."""
     played = []
+    results: list[dict[str, Any]] = []
     for session_id, version in turns:
         loaded = client.load(session_id)
-        handle = client.save(make_checkpoint(session_id, version))
-        played.append((handle, version, loaded.version if loaded else None))
-    results = []
+        loaded_version = loaded.version if loaded else None
+        try:
+            handle = client.save(make_checkpoint(session_id, version))
+        except SeqRefused as refused:
+            results.append(
+                {"session": session_id, "version": version, "seq": None, "loaded": loaded_version}
+                | {"outcome": REFUSED_AT_PUBLISH, "reason": str(refused)}
+            )
+            continue
+        played.append((handle, version, loaded_version))
     for handle, version, loaded_version in played:
         result: dict[str, Any] = {"session": handle.session_id, "version": version}
         result.update(seq=handle.seq, loaded=loaded_version)

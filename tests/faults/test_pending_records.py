@@ -188,13 +188,14 @@ def test_a_pending_request_later_dead_lettered_no_longer_answers_loads(
 ) -> None:
     _, b = replicas.clients
     _five_turns(deployment.store())
-    # Given a replica whose clock runs an hour ahead: the worker refuses its seq
-    # (CHECKPOINTQ_MAX_SEQ_AHEAD_SECONDS), which the producer cannot know
+    # Given a replica whose clock runs 6.5 minutes ahead, told a limit above the workers' 5
+    # (so the broker accepts what the worker refuses, CHECKPOINTQ_MAX_SEQ_AHEAD_SECONDS)
     skewed = CheckpointClient(
         str(deployment.all_settings["broker_url"]),
         RedisStore.from_url(str(deployment.all_settings["store_url"])),
         queue=QUEUE,
-        clock=SeqClock(lambda: wall_clock_us() + 3600 * 1_000_000),
+        clock=SeqClock(lambda: wall_clock_us() + 390 * 1_000_000),
+        max_seq_ahead_seconds=1200,
     )
     try:
         take_turn(skewed, SESSION, 6)
@@ -202,10 +203,10 @@ def test_a_pending_request_later_dead_lettered_no_longer_answers_loads(
         # When a worker dead-letters it
         deployment.worker()
         deployment.wait_dead_letters(1)
-        # Then its record is settled and loads fall back to the store
+        # Then its entry is settled and loads fall back to the store
         wait_until(lambda: _records(deployment) == 0, timeout=30, message="the record settled")
         assert _turns(b.load(SESSION)) == [f"turn {n}" for n in range(1, 6)]
-        assert not deployment.broker_client().exists(deployment.keys.pending(SESSION))
+        assert not deployment.broker_client().exists(deployment.keys.pending_requests(SESSION))
     finally:
         skewed.close()
 

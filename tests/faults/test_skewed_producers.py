@@ -10,7 +10,9 @@ follows the previous one in real time. What must hold:
 * no save is dropped silently: each is ``applied`` (and is then what the store holds and what
   the next turn loads), or ``wait_durable`` reports it superseded or refused, with a reason;
 * the causal ``seq`` (docs/protocol.md) gets every save of the replicas 2 s off applied,
-  4 s apart as they are; the replica an hour ahead is refused (dead-lettered), never applied;
+  4 s apart as they are; the replica an hour ahead is refused at once, at publish (the broker
+  compares its clock with its own), never queued, never applied, never dead-lettered, and
+  no other replica ever stamps after one of its saves;
 * the final state is, per session, the last save in real-time order among those applied.
 """
 
@@ -37,13 +39,14 @@ from tests.faults.harness import (
     checkpointq_env,
     conclude,
 )
+from tests.faults.replica import REFUSED_AT_PUBLISH
 
 #: Each replica's clock offset in seconds, and how often it takes the turn (weight).
 REPLICAS = {"+2 s": (2.0, 45), "-2 s": (-2.0, 45), "+1 h": (3600.0, 10)}
-#: The replica whose clock is past the worker's tolerance (300 s): refused, every time.
+#: The replica whose clock is past the tolerance (300 s): refused at publish, every time.
 AHEAD = "+1 h"
-#: What the worker's refusal of such a save says.
-CLOCK_AHEAD = "ahead of this worker's clock"
+#: What the broker's refusal of such a save says.
+CLOCK_AHEAD = "clock is 3600"
 
 
 @dataclass
@@ -133,7 +136,7 @@ class Referee:
             self.stale_loads.append(result)
         if outcome == APPLIED:
             self.applied[sid].append(result["version"])
-        elif outcome == "refused":
+        elif outcome in ("refused", REFUSED_AT_PUBLISH):
             self.reasons.append(result["reason"])
         elif outcome == "timeout":
             self.dropped.append(result)
@@ -182,7 +185,7 @@ def test_replicas_with_skewed_clocks_taking_turns_drop_no_save(
     verdict = referee.judge(deployment)
     total = Counter(name for name, _ in referee.outcomes.elements())
     outcomes = referee.outcomes
-    refused = outcomes[AHEAD, "refused"]
+    refused = outcomes[AHEAD, REFUSED_AT_PUBLISH]
     said_ahead = sum(CLOCK_AHEAD in reason for reason in referee.reasons)
     kinds = ", ".join(sorted({reason.split(":", 1)[0] for reason in referee.reasons}))
     row = conclude(
@@ -195,13 +198,13 @@ def test_replicas_with_skewed_clocks_taking_turns_drop_no_save(
         faults="producer clocks 2 s ahead and 2 s behind (4 s apart), and 1 h ahead (past "
         "CHECKPOINTQ_MAX_SEQ_AHEAD_SECONDS)",
         notes=f"applied: {outcomes['+2 s', APPLIED]}/{total['+2 s']} (+2 s), "
-        f"{outcomes['-2 s', APPLIED]}/{total['-2 s']} (-2 s); refused with a reason: "
-        f"{refused}/{total[AHEAD]} (+1 h; kind {kinds or 'none'}, {said_ahead} saying "
-        f"'seq ... is 3,600 s {CLOCK_AHEAD}'); "
+        f"{outcomes['-2 s', APPLIED]}/{total['-2 s']} (-2 s); refused at publish: "
+        f"{refused}/{total[AHEAD]} (+1 h; {kinds or 'none'}, {said_ahead} saying "
+        f"'this producer's {CLOCK_AHEAD}.0 s ahead of the broker's'); "
         f"superseded: {sum(n for (_, o), n in outcomes.items() if o == 'superseded')}; "
         f"silently dropped: {len(referee.dropped)}; loads that missed the previous turn's "
         f"save: {len(referee.stale_loads)}",
-        expect_dead=refused,
+        expect_dead=0,
         passed=not (referee.dropped or referee.stale_loads)
         and refused == total[AHEAD] == said_ahead
         and all(outcomes[n, APPLIED] == total[n] for n in names if n != AHEAD),
@@ -210,7 +213,7 @@ def test_replicas_with_skewed_clocks_taking_turns_drop_no_save(
     assert not referee.stale_loads, referee.stale_loads[:5]
     assert verdict.exact, verdict
     for name in names:
-        want = "refused" if name == AHEAD else APPLIED
+        want = REFUSED_AT_PUBLISH if name == AHEAD else APPLIED
         assert outcomes[name, want] == total[name], (name, outcomes)
     assert said_ahead == len(referee.reasons) == refused
     assert row.result == "pass", row
