@@ -5,6 +5,7 @@ Tests never touch the machine's shared Redis on 127.0.0.1:6379.
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -58,6 +59,8 @@ class RedisServer:
     appendonly: bool = False
     password: str | None = None
     extra_args: list[str] = field(default_factory=list)
+    #: More environment for the server process (tests/history moves its clock).
+    env: dict[str, str] = field(default_factory=dict)
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cq-redis-")))
     process: subprocess.Popen[bytes] | None = None
 
@@ -94,7 +97,12 @@ class RedisServer:
             *(["--requirepass", self.password] if self.password else []),
             *self.extra_args,
         ]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, **self.env} if self.env else None,
+        )
         probe = self.client()
         try:
             wait_until(probe.ping, timeout=10, message=f"redis-server on port {self.port}")

@@ -1,0 +1,278 @@
+"""Random histories, run and checked; a failing one shrunk to a minimal reproducer and kept.
+
+    python -m tests.history [--seconds N] [--seed S] [--variant NAME] [--keep DIR]
+
+runs histories (alternating one-Redis and two-Redis worlds) for N seconds (default 3600:
+the long mode, whose figures docs/reliability.md reports), and prints what it explored. A
+history that breaks an invariant is shrunk (``shrink``: delta debugging over its actions,
+re-running each candidate on a clean world) and written to tests/history/regressions/, where
+``test_histories.py`` replays every file on each run of the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.history.checker import check
+from tests.history.world import Action, History, Servers, World, servers
+
+REGRESSIONS = Path(__file__).with_name("regressions")
+VARIANTS = Path(__file__).with_name("variants")
+
+#: How often each step is drawn: producers act about as often as workers do, so queues
+#: lag, drain and lag again; crashes, restores, long jumps of time and broker losses are
+#: rarer, but every history of 40-120 steps is likely to hold a few.
+_WEIGHTS: tuple[tuple[str, int], ...] = (
+    ("save", 18),
+    ("delete", 10),
+    ("race", 14),
+    ("load", 10),
+    ("list", 2),
+    ("outcome", 4),
+    ("take", 12),
+    ("apply", 12),
+    ("settle", 8),
+    ("ack", 6),
+    ("crash", 2),
+    ("restore", 3),
+    ("advance", 8),
+    ("loss", 1),
+    ("hijack", 1),
+)
+_NAMES = [name for name, _ in _WEIGHTS]
+_CUMULATIVE = [weight for _, weight in _WEIGHTS]
+
+
+def random_action(rng: random.Random) -> Action:
+    name = rng.choices(_NAMES, weights=_CUMULATIVE)[0]
+    producer = rng.choice((0, 0, 1, 1, 2, 2, 3, 4))  # the healthy three most often
+    worker = rng.randrange(2)
+    loaded = int(rng.random() < 0.8)
+    args: tuple[int, ...]
+    if name == "save":
+        args = (producer, rng.randrange(2), rng.randrange(2), loaded)
+    elif name == "delete":
+        args = (producer, rng.randrange(2), loaded)
+    elif name == "load":
+        args = (producer, rng.randrange(2))
+    elif name == "race":
+        args = (producer, rng.choice((0, 0, 1, 1, 2, 2, 3, 4)), rng.randrange(2), rng.randrange(4))
+    elif name == "list":
+        args = (producer,)
+    elif name == "outcome":
+        args = (rng.randrange(64),)
+    elif name == "take":
+        args = (worker, rng.choice((1, 1, 1, 2, 4)))
+    elif name in ("apply", "settle", "ack", "crash"):
+        args = (worker,)
+    elif name == "restore":
+        args = (rng.randrange(2),)
+    elif name == "advance":
+        scale = rng.choices(("ms", "s", "ttl"), weights=(6, 3, 1))[0]
+        ms = {"ms": (0, 300), "s": (1_000, 8_000), "ttl": (20_000, 40_000)}[scale]
+        args = (rng.randint(*ms),)
+    elif name == "hijack":
+        args = (rng.randrange(64), rng.randrange(2))
+    else:
+        args = ()
+    return Action(name, args)
+
+
+def random_history(seed: int) -> list[Action]:
+    rng = random.Random(seed)
+    return [random_action(rng) for _ in range(rng.randint(40, 120))]
+
+
+@dataclass
+class Finding:
+    """A history that broke an invariant, shrunk."""
+
+    seed: int
+    one_redis: bool
+    variant: str | None
+    actions: list[Action]
+    violations: list[str]
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "found": f"seed {self.seed}",
+            "violation": self.violations[0],
+            "one_redis": self.one_redis,
+            "variant": self.variant,
+            "actions": [a.as_json() for a in self.actions],
+        }
+
+
+@dataclass
+class Figures:
+    """What a run of ``explore`` covered."""
+
+    histories: int = 0
+    actions: Counter[str] = field(default_factory=Counter)
+    requests: int = 0
+    reads: int = 0
+    listings: int = 0
+    outcomes: int = 0
+    losses: int = 0
+    refused_at_publish: int = 0
+    seconds: float = 0.0
+
+    def add(self, history: History) -> None:
+        self.histories += 1
+        self.actions.update(a.name for a in history.actions)
+        self.requests += len(history.requests)
+        self.reads += len(history.reads)
+        self.listings += len(history.listings)
+        self.outcomes += len(history.outcomes)
+        self.losses += len(history.losses)
+        self.refused_at_publish += len(history.refused_at_publish)
+
+    def summary(self) -> str:
+        steps = sum(self.actions.values())
+        faults = {k: self.actions[k] for k in ("crash", "restore", "loss", "hijack", "advance")}
+        return (
+            f"{self.histories} histories, {steps} steps in {self.seconds:.0f} s: "
+            f"{self.requests} requests accepted, {self.refused_at_publish} refused at publish, "
+            f"{self.reads} loads, {self.listings} lists and {self.outcomes} outcome reads "
+            f"checked; faults {faults}"
+        )
+
+
+def variant_source(variant: str | None) -> str | None:
+    """The settle.lua of a broken variant (tests/history/variants/<name>.lua), or None."""
+    return None if variant is None else (VARIANTS / f"{variant}.lua").read_text()
+
+
+def _quiet() -> None:
+    """The workers' log lines (dead letters of hijacks and faulty producers, retries) would
+    drown the run's own report."""
+    logging.getLogger("checkpointq").setLevel(logging.ERROR)
+    logging.getLogger("celery").setLevel(logging.ERROR)
+
+
+def explore(
+    running: Servers,
+    *,
+    seconds: float,
+    first_seed: int = 0,
+    variant: str | None = None,
+    stop_at_first: bool = True,
+    progress: Callable[[Figures], None] | None = None,
+) -> tuple[Figures, list[Finding]]:
+    """Run random histories for ``seconds``; shrink each one that fails."""
+    _quiet()
+    source = variant_source(variant)
+    worlds = {flag: World(running, one_redis=flag, settle_source=source) for flag in (True, False)}
+    figures, findings = Figures(), []
+    started = time.monotonic()
+    seed = first_seed
+    while time.monotonic() - started < seconds:
+        one_redis = seed % 2 == 0
+        world = worlds[one_redis]
+        history = world.run(random_history(seed))
+        figures.add(history)
+        violations = check(history)
+        if violations:
+            actions = shrink(world, history.actions)
+            shrunk = world.run(actions)
+            findings.append(Finding(seed, one_redis, variant, actions, check(shrunk) or violations))
+            if stop_at_first:
+                break
+        seed += 1
+        if progress is not None and figures.histories % 100 == 0:
+            figures.seconds = time.monotonic() - started
+            progress(figures)
+    figures.seconds = time.monotonic() - started
+    return figures, findings
+
+
+def shrink(world: World, actions: Sequence[Action]) -> list[Action]:
+    """The smallest sub-list of ``actions`` found to still break an invariant (ddmin: drop
+    ever smaller chunks, keep whatever still fails), then each long jump of time shortened."""
+
+    def fails(candidate: list[Action]) -> bool:
+        return bool(check(world.run(candidate)))
+
+    current = list(actions)
+    chunks = 2
+    while len(current) >= 2:
+        size = max(1, len(current) // chunks)
+        for start in range(0, len(current), size):
+            candidate = current[:start] + current[start + size :]
+            if candidate and fails(candidate):
+                current, chunks = candidate, max(chunks - 1, 2)
+                break
+        else:
+            if size == 1:
+                break
+            chunks = min(len(current), chunks * 2)
+    for i, action in enumerate(current):
+        if action.name == "advance" and action.args and action.args[0] > 1:
+            shorter = [*current[:i], Action("advance", (action.args[0] // 2,)), *current[i + 1 :]]
+            if fails(shorter):
+                current = shorter
+    return current
+
+
+def keep(finding: Finding, directory: Path = REGRESSIONS) -> Path:
+    """Write ``finding`` as a regression test (``test_histories.py`` replays the folder)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    prefix = f"{finding.variant}-" if finding.variant else ""
+    path = directory / f"{prefix}seed-{finding.seed}.json"
+    path.write_text(render(finding.as_json()))
+    return path
+
+
+def render(data: dict[str, object]) -> str:
+    """A kept history as JSON with one step a line (reviewable in a diff)."""
+    head = {k: v for k, v in data.items() if k != "actions"}
+    lines = [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
+    steps = [f"  {json.dumps(step)}" for step in data["actions"]]  # type: ignore[attr-defined]
+    return "{\n" + "\n".join(lines) + '\n "actions": [\n' + ",\n".join(steps) + "\n ]\n}\n"
+
+
+def replay(path: Path, running: Servers) -> list[str]:
+    """Run a kept history again: its violations, if it fails once more."""
+    data = json.loads(path.read_text())
+    world = World(
+        running, one_redis=bool(data["one_redis"]), settle_source=variant_source(data["variant"])
+    )
+    return check(world.run([Action.from_json(a) for a in data["actions"]]))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.history", description=__doc__)
+    parser.add_argument("--seconds", type=float, default=3600.0)
+    parser.add_argument("--seed", type=int, default=int(time.time()))
+    parser.add_argument("--variant", help="a broken settle.lua of tests/history/variants")
+    parser.add_argument("--keep", type=Path, default=REGRESSIONS, help="where reproducers go")
+    options = parser.parse_args(argv)
+    with servers() as running:
+        figures, findings = explore(
+            running,
+            seconds=options.seconds,
+            first_seed=options.seed,
+            variant=options.variant,
+            progress=lambda f: print(f.summary(), flush=True),
+        )
+    print(f"seeds from {options.seed}: {figures.summary()}")
+    for finding in findings:
+        path = keep(finding, options.keep)
+        print(f"VIOLATION (seed {finding.seed}, shrunk to {len(finding.actions)} steps, {path}):")
+        for line in finding.violations[:5]:
+            print(f"  {line}")
+        print("  steps: " + ", ".join(map(str, finding.actions)))
+    return 1 if findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

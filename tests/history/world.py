@@ -1,0 +1,556 @@
+"""A world to run histories in: API server replicas with clocks of their own, workers that
+take, apply, settle, acknowledge and crash one step at a time, a broker and a store, and a
+time that jumps forward on demand.
+
+Everything that decides the protocol is the real code on real redis-servers: the producers
+are ``CheckpointClient``s (publish.lua, read_pending.lua), the workers apply through the
+coalesced path (``tasks.coalesced.apply_requests``) or the task path (the registered
+``CheckpointTask``s, called in-process), settle with settle.lua and run the store's own
+scripts. What the world plays itself is what kombu and the operating system do: taking a
+message into ``unacked``, restoring it after the visibility timeout, a worker dying, a broker
+losing its data, and time passing (``clock.SharedClock``, which the servers follow).
+
+A history is a list of actions (``Action``: a name and small integers, resolved against the
+world's state when run, so that any sub-list of a history still runs). ``World.run`` plays
+one, records what each producer saw (``History``), and ends by letting the workers drain
+everything, so that ``checker.check`` can hold the record against the invariants of
+docs/semantics.md.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import traceback
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+from celery import Celery
+
+from checkpointq.store.base import Fence, StoreOptions
+from checkpointq.store.keys import KeySpace
+from checkpointq.store.ordering import deadline_ms
+from checkpointq.store.redis import RedisStore
+from checkpointq.tasks import checkpoints, coalesced, messages, runtime
+from checkpointq.tasks.dead_letters import DeadLetters
+from checkpointq.tasks.errors import RequestRefused, SeqRefused
+from checkpointq.tasks.policy import RetryPolicy
+from checkpointq.tasks.producer.client import CheckpointClient, Handle
+from checkpointq.tasks.producer.clock import SeqClock
+from checkpointq.tasks.producer.pending import Settlement, Settler
+from checkpointq.tasks.runtime import Runtime
+from tests.history.clock import SharedClock
+from tests.support.checkpoints import make_checkpoint
+from tests.support.envelopes import protocol2
+from tests.support.servers import RedisServer
+
+QUEUE = "checkpoints"
+PREFIX = "hist"
+
+#: The protocol's constants, scaled down so that histories cross every one of them.
+TTL_S = 30.0
+MARGIN_S = 5.0
+LIMIT_S = 10.0
+VISIBILITY_S = 15.0
+
+#: Two sessions; the second id is one that could reach other keys if ids were patterns.
+SESSIONS = ("s1", "s:2{*}")
+
+#: The replicas, by name: how far their clocks run ahead of the servers' (s). The last
+#: two are faulty beyond the limits: one ahead by more than half the limit (its publishes
+#: are refused), one behind by more than the TTL (its own stamps are refused, as past
+#: their deadlines, until a load gives it a fence to stamp after).
+PRODUCERS = (("a", 0.0), ("b", -3.0), ("c", 4.0), ("fast", 8.0), ("slow", -45.0))
+HEALTHY = frozenset({"a", "b", "c"})
+
+#: Workers: the first applies groups (the coalesced path), the second runs each request as
+#: the single task it is.
+WORKERS = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One step of a history: a name and small integers (see ``World.step``)."""
+
+    name: str
+    args: tuple[int, ...] = ()
+
+    def as_json(self) -> list[Any]:
+        return [self.name, *self.args]
+
+    @classmethod
+    def from_json(cls, data: Sequence[Any]) -> Action:
+        return cls(str(data[0]), tuple(int(a) for a in data[1:]))
+
+    def __str__(self) -> str:
+        return f"{self.name}({', '.join(map(str, self.args))})"
+
+
+@dataclass
+class Request:
+    """A request a producer's publish returned for (accepted)."""
+
+    request_id: str
+    producer: str
+    session: str
+    deleted: bool
+    seq: int
+    #: A save's checkpoint version: unique in the history, so a loaded value names its save.
+    version: int | None
+    accepted_us: int
+    handle: Handle
+
+    @property
+    def key(self) -> tuple[int, int, bytes]:
+        return (self.seq, 1 if self.deleted else 0, self.request_id.encode())
+
+    @property
+    def deadline_us(self) -> int:
+        deadline = deadline_ms(self.seq, int(TTL_S * 1000))
+        assert deadline is not None, "our producers stamp times"
+        return deadline * 1000
+
+
+@dataclass
+class Read:
+    """What a load answered: the fence it came with and the version it loaded."""
+
+    producer: str
+    session: str
+    start_us: int
+    end_us: int
+    fence: Fence | None
+    version: int | None
+    error: str | None = None
+
+
+@dataclass
+class Listing:
+    producer: str
+    start_us: int
+    end_us: int
+    sessions: list[str]
+
+
+@dataclass
+class OutcomeRead:
+    producer: str
+    request_id: str
+    at_us: int
+    outcome: str
+
+
+@dataclass
+class Loss:
+    """The broker lost its data at ``at_us``; ``lost``: the requests still to land then."""
+
+    at_us: int
+    lost: set[str]
+
+
+@dataclass
+class Final:
+    """A session once every worker drained the queue."""
+
+    fence: Fence | None
+    version: int | None
+    loaded: int | None
+
+
+@dataclass
+class History:
+    """What a run of actions did, as the producers saw it."""
+
+    one_redis: bool
+    actions: list[Action]
+    requests: dict[str, Request] = field(default_factory=dict)
+    refused_at_publish: list[tuple[str, str, str]] = field(default_factory=list)
+    reads: list[Read] = field(default_factory=list)
+    listings: list[Listing] = field(default_factory=list)
+    outcomes: list[OutcomeRead] = field(default_factory=list)
+    losses: list[Loss] = field(default_factory=list)
+    hijacks: list[tuple[str, str]] = field(default_factory=list)
+    #: (session, request id) of each dead letter, read once the workers drained.
+    dead_letters: list[tuple[str | None, str | None]] = field(default_factory=list)
+    final: dict[str, Final] = field(default_factory=dict)
+    end_us: int = 0
+    #: An exception a step raised (itself a failure: no step may raise).
+    crash: str | None = None
+
+
+@dataclass
+class _Held:
+    """A message a worker took: where it stands between take and acknowledgement."""
+
+    tag: str
+    task: str
+    task_id: str
+    body: bytes
+    headers: dict[str, Any]
+    delivery_info: dict[str, Any]
+    applied: bool = False
+    settled: bool = False
+    acked: bool = False
+    settlement: Settlement | None = None
+
+
+class Servers:
+    """The broker and the store: two redis-servers on the shared clock (one of them is both
+    in one-Redis worlds)."""
+
+    def __init__(self) -> None:
+        self.clock = SharedClock(Path(tempfile.mkdtemp(prefix="cq-history-")) / "offset")
+        env = self.clock.server_env()
+        self.broker = RedisServer(env=env).start()
+        self.store = RedisServer(env=env).start()
+
+    def close(self) -> None:
+        self.broker.cleanup()
+        self.store.cleanup()
+        self.clock.close()
+
+
+class World:
+    """One history's world on ``servers``: its state is reset by ``run``."""
+
+    def __init__(self, servers: Servers, *, one_redis: bool, settle_source: str | None = None):
+        self.servers = servers
+        self.clock = servers.clock
+        self.one_redis = one_redis
+        self.keys = KeySpace(PREFIX)
+        store_server = servers.broker if one_redis else servers.store
+        self.broker_url, self.store_url = servers.broker.url, store_server.url
+        self.broker: redis.Redis = servers.broker.client()
+        self.store_client: redis.Redis = store_server.client()
+        self.options = StoreOptions(ttl_seconds=TTL_S, tombstone_ttl_seconds=MARGIN_S)
+        self.app = Celery("history", set_as_current=False)
+        checkpoints.register(self.app)
+        #: A settle.lua of another rule (a broken variant, to show the checker finds it).
+        self.settle_source = settle_source
+
+    # -- a run ------------------------------------------------------------------------------
+
+    def run(self, actions: Sequence[Action]) -> History:
+        """Play ``actions`` from a clean world, then drain; the history of what was seen."""
+        self.broker.flushall()
+        self.broker.script_flush()
+        if not self.one_redis:
+            self.store_client.flushall()
+        self.history = History(self.one_redis, list(actions))
+        self.versions = 0
+        self.clients = {name: self._client(skew) for name, skew in PRODUCERS}
+        self.handles: list[Request] = []
+        self.held: list[list[_Held]] = [[] for _ in range(WORKERS)]
+        store = RedisStore(
+            self.store_client, prefix=PREFIX, options=self.options, clock=self.clock.now
+        )
+        settler = (
+            Settler(self.broker, self.keys)
+            if self.settle_source is None
+            else VariantSettler(self.broker, self.keys, self.settle_source)
+        )
+        self.settler = settler
+        runtime.install(
+            Runtime(
+                store=store,
+                redis=self.store_client,
+                keys=self.keys,
+                dead_letters=DeadLetters(self.store_client, self.keys),
+                retry=RetryPolicy(max_retries=0, base_seconds=0.001, max_seconds=0.001),
+                max_seq_ahead_us=int(LIMIT_S * 1_000_000),
+                pending=settler,
+            )
+        )
+        self.store = store
+        try:
+            for action in actions:
+                self.step(action)
+            self.drain()
+            self.read_final()
+        except Exception as exc:  # any step raising is a finding, with its traceback
+            self.history.crash = "".join(traceback.format_exception(exc))
+        finally:
+            for client in self.clients.values():
+                client.close()
+            runtime.reset()
+        self.history.end_us = self.clock.now_us()
+        return self.history
+
+    def _client(self, skew_s: float) -> CheckpointClient:
+        skew_us = int(skew_s * 1_000_000)
+        store = RedisStore.from_url(self.store_url, prefix=PREFIX, options=self.options)
+        store.clock = self.clock.now
+        return CheckpointClient(
+            self.broker_url,
+            store,
+            queue=QUEUE,
+            key_prefix=PREFIX,
+            clock=SeqClock(lambda: self.clock.now_us() + skew_us),
+            max_seq_ahead_seconds=LIMIT_S,
+        )
+
+    def step(self, action: Action) -> None:
+        getattr(self, f"_{action.name}")(*action.args)
+
+    # -- producers ------------------------------------------------------------------------
+
+    @staticmethod
+    def _pick(items: Sequence[Any], index: int) -> Any:
+        return items[index % len(items)]
+
+    def _load(self, producer: int, session: int) -> None:
+        name, _ = self._pick(PRODUCERS, producer)
+        sid = self._pick(SESSIONS, session)
+        client = self.clients[name]
+        start = self.clock.now_us()
+        checkpoint, fence = client.load_with_fence(sid)
+        end = self.clock.now_us()
+        version = None if checkpoint is None else checkpoint.version
+        self.history.reads.append(Read(name, sid, start, end, fence, version))
+
+    def _save(self, producer: int, session: int, staged: int = 1, loaded: int = 1) -> None:
+        self._publish(producer, session, deleted=False, staged=bool(staged), loaded=bool(loaded))
+
+    def _delete(self, producer: int, session: int, loaded: int = 1) -> None:
+        self._publish(producer, session, deleted=True, staged=False, loaded=bool(loaded))
+
+    def _publish(
+        self, producer: int, session: int, *, deleted: bool, staged: bool, loaded: bool
+    ) -> None:
+        if loaded:  # the apiserver's turn: load, then save (or delete) after what it read
+            self._load(producer, session)
+        name, _ = self._pick(PRODUCERS, producer)
+        sid = self._pick(SESSIONS, session)
+        client = self.clients[name]
+        version = None
+        try:
+            if deleted:
+                handle = client.delete(sid)
+            else:
+                self.versions += 1
+                version = self.versions
+                client.stage_saves = staged
+                handle = client.save(make_checkpoint(sid, version=version))
+        except SeqRefused as refused:
+            self.history.refused_at_publish.append((name, sid, str(refused)))
+            return
+        assert handle.seq is not None
+        request = Request(
+            handle.request, name, sid, deleted, handle.seq, version, self.clock.now_us(), handle
+        )
+        self.history.requests[request.request_id] = request
+        self.handles.append(request)
+
+    def _race(self, first: int, second: int, session: int, ops: int = 0) -> None:
+        """Two replicas take a turn on one session at once: both load, then both publish
+        (``ops``: bit 0 a delete for the first, bit 1 for the second). Both stamp after the
+        same fence, so when it runs ahead of their clocks they stamp alike."""
+        self._load(first, session)
+        self._load(second, session)
+        for producer, bit in ((first, 1), (second, 2)):
+            deleted = bool(ops & bit)
+            self._publish(producer, session, deleted=deleted, staged=True, loaded=False)
+
+    def _list(self, producer: int) -> None:
+        name, _ = self._pick(PRODUCERS, producer)
+        start = self.clock.now_us()
+        listed = self.clients[name].list()
+        self.history.listings.append(Listing(name, start, self.clock.now_us(), listed))
+
+    def _outcome(self, request: int) -> None:
+        """The request's producer asks for its outcome once (``wait_durable`` without
+        waiting), as its caller would."""
+        if not self.handles:
+            return
+        target: Request = self._pick(self.handles, request)
+        name = target.producer
+        try:
+            outcome = self.clients[name].wait_durable(target.handle, timeout=0).outcome
+        except TimeoutError:
+            outcome = "pending"
+        except RequestRefused as refused:
+            outcome = f"refused: {refused.kind}: {refused.reason}"
+        self.history.outcomes.append(
+            OutcomeRead(name, target.request_id, self.clock.now_us(), outcome)
+        )
+
+    def _hijack(self, request: int, session: int) -> None:
+        """A staged save's message for another session carrying an accepted request's id,
+        with no record (a faulty or hostile producer's raw LPUSH)."""
+        if not self.handles:
+            return
+        victim: Request = self._pick(self.handles, request)
+        sid = self._pick(SESSIONS, session)
+        if sid == victim.session:
+            sid = next(s for s in SESSIONS if s != victim.session)
+        body = json.dumps([[sid], {"seq": self.clock.now_us()}, {}]).encode()
+        envelope = protocol2(
+            messages.SAVE_STAGED, [], body=body, queue=QUEUE, task_id=victim.request_id
+        )
+        self.broker.lpush(QUEUE, envelope)
+        self.history.hijacks.append((sid, victim.request_id))
+
+    # -- workers --------------------------------------------------------------------------
+
+    def _take(self, worker: int, count: int = 1) -> None:
+        """Take messages as the reserve script does: each recorded in ``unacked``, scored
+        with the worker's time, as it leaves the queue."""
+        held = self.held[worker % WORKERS]
+        for _ in range(max(1, count)):
+            raw = self.broker.rpop(QUEUE)
+            if not isinstance(raw, bytes):
+                return
+            envelope = json.loads(raw)
+            tag = envelope["properties"]["delivery_tag"]
+            self.broker.hset("unacked", tag, json.dumps([envelope, "", QUEUE]))
+            self.broker.zadd("unacked_index", {tag: self.clock.now()})
+            headers = envelope.get("headers") or {}
+            held.append(
+                _Held(
+                    tag,
+                    str(headers.get("task")),
+                    str(headers.get("id")),
+                    messages.envelope_body(envelope),
+                    headers,
+                    envelope["properties"].get("delivery_info", {}),
+                )
+            )
+
+    def _apply(self, worker: int) -> None:
+        """Apply what the worker holds and has not applied: worker 0 as a coalesced group
+        (what the group cannot apply runs as single tasks, which settle themselves), worker 1
+        as single tasks."""
+        index = worker % WORKERS
+        todo = [h for h in self.held[index] if not h.applied]
+        if not todo:
+            return
+        if index == 0:
+            requests = [(h.task, h.task_id, h.body, h.headers, h.delivery_info) for h in todo]
+            for held, settled in zip(todo, coalesced.apply_requests(requests), strict=True):
+                if settled is None:
+                    self._run_as_task(held)
+                else:
+                    held.applied, held.settlement = True, settled
+        else:
+            for held in todo:
+                self._run_as_task(held)
+
+    def _run_as_task(self, held: _Held) -> None:
+        parsed = messages.parse_body(held.body)
+        args, kwargs = parsed if parsed is not None else ([], {})
+        result = self.app.tasks[held.task].apply(args=args, kwargs=kwargs, task_id=held.task_id)
+        if result.failed():
+            raise RuntimeError(f"{held.task} [{held.task_id}] raised: {result.traceback}")
+        held.applied = held.settled = True  # the task path settles before it returns
+
+    def _settle(self, worker: int) -> None:
+        """settle.lua for the group's applied requests (the coalesced path's, riding its
+        acks; here a step of its own, so that a crash may fall before or after it)."""
+        held = [h for h in self.held[worker % WORKERS] if h.applied and not h.settled]
+        self.settler.settle([h.settlement for h in held if h.settlement is not None])
+        for h in held:
+            h.settled = True
+        self._forget_done(worker)
+
+    def _ack(self, worker: int) -> None:
+        held = [h for h in self.held[worker % WORKERS] if h.applied and not h.acked]
+        for h in held:
+            self.broker.hdel("unacked", h.tag)
+            self.broker.zrem("unacked_index", h.tag)
+            h.acked = True
+        self._forget_done(worker)
+
+    def _forget_done(self, worker: int) -> None:
+        index = worker % WORKERS
+        self.held[index] = [h for h in self.held[index] if not (h.settled and h.acked)]
+
+    def _crash(self, worker: int) -> None:
+        """kill -9: what it held stays in ``unacked``, to be restored."""
+        self.held[worker % WORKERS] = []
+
+    def _restore(self, end: int = 0) -> None:
+        """kombu's restore: messages unacknowledged for longer than the visibility timeout go
+        back to the queue (whether or not a slow worker still holds them)."""
+        cutoff = self.clock.now() - VISIBILITY_S
+        for tag in list(self.broker.zrangebyscore("unacked_index", "-inf", cutoff)):
+            assert isinstance(tag, bytes)
+            payload = self.broker.hget("unacked", tag)
+            self.broker.zrem("unacked_index", tag)
+            if payload is None:
+                continue
+            self.broker.hdel("unacked", tag)
+            envelope = json.dumps(json.loads(payload)[0])
+            (self.broker.rpush if end % 2 else self.broker.lpush)(QUEUE, envelope)
+
+    def _advance(self, milliseconds: int) -> None:
+        self.clock.advance(max(0, milliseconds) * 1000)
+
+    def _loss(self) -> None:
+        """The broker restarts without its data (two-Redis worlds only: in a one-Redis world
+        that would be the store's loss too, which nothing survives)."""
+        if self.one_redis:
+            return
+        now = self.clock.now_us()
+        lost = set()
+        for request in self.handles:
+            fence = self.store.fence(request.session)
+            if fence is None or fence.key < request.key:
+                lost.add(request.request_id)
+        self.history.losses.append(Loss(now, lost))
+        self.broker.flushall()
+        self.broker.script_flush()
+
+    # -- the end --------------------------------------------------------------------------
+
+    def drain(self, rounds: int = 40) -> None:
+        """Let the workers finish everything: take, apply, settle, acknowledge; restore what
+        crashed workers left once the visibility timeout passed."""
+        for _ in range(rounds):
+            for worker in range(WORKERS):
+                self._take(worker, 50)
+                self._apply(worker)
+                self._settle(worker)
+                self._ack(worker)
+            if self.broker.llen(QUEUE) == 0 and self.broker.hlen("unacked") == 0:
+                return
+            self._advance(int(VISIBILITY_S * 1000) + 1000)
+            self._restore()
+        raise RuntimeError("the workers did not drain the queue")
+
+    def read_final(self) -> None:
+        reader = self.clients["a"]
+        for sid in SESSIONS:
+            fence = self.store.fence(sid)
+            stored = self.store.load(sid)
+            loaded = reader.load(sid)
+            self.history.final[sid] = Final(
+                fence,
+                None if stored is None else stored.version,
+                None if loaded is None else loaded.version,
+            )
+        for letter in DeadLetters(self.store_client, self.keys).list(count=10_000).entries:
+            session = messages.requested_session(
+                letter.task, letter.args or [], letter.kwargs or {}
+            )
+            self.history.dead_letters.append((session, letter.task_id))
+
+
+class VariantSettler(Settler):
+    """A Settler running another settle.lua: a broken variant the checker must catch."""
+
+    def __init__(self, broker: Any, keys: KeySpace, source: str) -> None:
+        super().__init__(broker, keys)
+        self._script = broker.register_script(source)
+
+
+@contextmanager
+def servers() -> Iterator[Servers]:
+    running = Servers()
+    try:
+        yield running
+    finally:
+        running.close()
