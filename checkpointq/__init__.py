@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from checkpointq.store.memory import InMemoryStore
     from checkpointq.store.model import Checkpoint
     from checkpointq.store.redis import RedisStore
-    from checkpointq.tasks.errors import BrokerUnavailable, RequestRefused
+    from checkpointq.tasks.errors import BrokerUnavailable, RequestRefused, SeqRefused
     from checkpointq.tasks.producer.batching import BatchingClient
     from checkpointq.tasks.producer.client import CheckpointClient
     from checkpointq.tasks.producer.outcomes import RequestOutcome
@@ -60,6 +60,7 @@ _HOMES = {
     "CorruptCheckpoint": "checkpointq.store.errors",
     "BrokerUnavailable": "checkpointq.tasks.errors",
     "RequestRefused": "checkpointq.tasks.errors",
+    "SeqRefused": "checkpointq.tasks.errors",
 }
 
 __all__ = [
@@ -77,6 +78,7 @@ __all__ = [
     "RedisStore",
     "RequestOutcome",
     "RequestRefused",
+    "SeqRefused",
     "Settings",
     "StoreNotConfigured",
     "StoreOptions",

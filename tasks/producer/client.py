@@ -285,6 +285,8 @@ class CheckpointClient:
             CheckpointTooLarge: even its newest message alone exceeds the store's
                 stored-size budget (``max_value_bytes``), as the worker would find.
             InvalidInput: the request would exceed ``max_message_bytes``.
+            SeqRefused: the broker refused it at once (this producer's clock runs ahead of
+                the broker's, or ``after`` is too far ahead): nothing was queued.
             BrokerUnavailable: the broker stayed unreachable through the publish retries.
         """
         publisher = self._publisher
@@ -383,7 +385,11 @@ class CheckpointClient:
         return cp, document
 
     def delete(self, session_id: str, *, after: int | None = None) -> Handle:
-        """Enqueue a delete stamped with a fresh causal ``seq``; return at once."""
+        """Enqueue a delete stamped with a fresh causal ``seq``; return at once.
+
+        Raises:
+            SeqRefused, BrokerUnavailable: as ``save``.
+        """
         validate_session_id(session_id)
         seq = self.clock.next(session_id, after)
         body = messages.body(dumps_go([session_id]), messages.seq_kwargs(seq))
@@ -473,8 +479,8 @@ class CheckpointClient:
     def wait_durable(
         self, handle: Handle, timeout: float = 10.0, interval: float = 0.01
     ) -> RequestOutcome:
-        """Block until ``handle``'s own outcome is known: applied, or superseded by a newer
-        request for the session (``outcomes``).
+        """Block until ``handle``'s own outcome is known: applied, superseded by a request
+        ordered after it, or expired (a save past its deadline, never stored; ``outcomes``).
 
         Raises:
             ValueError: the handle has no ``seq`` (a refresh).
