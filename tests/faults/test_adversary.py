@@ -126,9 +126,14 @@ def test_hole_2_settling_a_save_leaves_the_delete_stamped_alike(deployment: Depl
         # And the delete's message held back (the queue lagging behind the save)
         held = deployment.broker_client().lpop(QUEUE)
         assert isinstance(held, bytes) and json.loads(held)["headers"]["id"] == delete.task_id
-        # When a worker applies the save and settles it
+        # When a worker applies the save and settles it (its entry gone)
         deployment.worker()
         assert saver.wait_durable(save, timeout=30).outcome == APPLIED
+        entries = deployment.keys.pending_requests("tie")
+        broker = deployment.broker_client()
+        wait_until(
+            lambda: not broker.hexists(entries, save.task_id), timeout=30, message="the settle"
+        )
         # Then every load still answers the delete, accepted and queued
         assert saver.load("tie") is None and deleter.load("tie") is None
         assert saver.list() == []
