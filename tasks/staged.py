@@ -22,6 +22,7 @@ from checkpointq.store import redis_hooks
 from checkpointq.store.base import CheckpointStore, EncodedCheckpoint, SaveOp
 from checkpointq.store.errors import CorruptCheckpoint, InvalidInput
 from checkpointq.store.model import validate_session_id
+from checkpointq.store.ordering import order_key
 from checkpointq.tasks import messages
 from checkpointq.tasks.producer.pending import Settler
 from checkpointq.tasks.seq import accepted_seq
@@ -146,12 +147,14 @@ def save_op(store: CheckpointStore, request: StagedSave, value: bytes, max_bytes
 
 
 def settled_before(store: CheckpointStore, request: StagedSave) -> bool:
-    """Whether the session's fence shows ``request`` applied or superseded: its value was
-    then deleted on settling, and this is a redelivery."""
+    """Whether the session's fence shows ``request`` applied or superseded (by a request
+    ordered after it: ``store.ordering``, ties by request id included): its value was then
+    deleted on settling, and this is a redelivery."""
     fence = store.fence(request.session_id)
-    if fence is None or fence.seq < request.seq:
+    if fence is None:
         return False
-    return fence.seq > request.seq or fence.deleted or fence.request_id == request.request_id
+    own = order_key(request.seq, False, request.request_id)
+    return fence.request_id == request.request_id or fence.key > own
 
 
 def lost(request: StagedSave) -> StagedValueLost:

@@ -152,6 +152,10 @@ def variant_source(variant: str | None) -> str | None:
     return None if variant is None else (VARIANTS / f"{variant}.lua").read_text()
 
 
+#: A long run goes on past a finding, up to this many.
+_MAX_FINDINGS = 5
+
+
 def _quiet() -> None:
     """The workers' log lines (dead letters of hijacks and faulty producers, retries) would
     drown the run's own report."""
@@ -185,7 +189,7 @@ def explore(
             actions = shrink(world, history.actions)
             shrunk = world.run(actions)
             findings.append(Finding(seed, one_redis, variant, actions, check(shrunk) or violations))
-            if stop_at_first:
+            if stop_at_first or len(findings) >= _MAX_FINDINGS:
                 break
         seed += 1
         if progress is not None and figures.histories % 100 == 0:
@@ -262,6 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seconds=options.seconds,
             first_seed=options.seed,
             variant=options.variant,
+            stop_at_first=False,
             progress=lambda f: print(f.summary(), flush=True),
         )
     print(f"seeds from {options.seed}: {figures.summary()}")
