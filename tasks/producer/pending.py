@@ -112,6 +112,24 @@ def _text(value: bytes | None) -> str:
     return "" if value is None else value.decode("utf-8", errors="replace")
 
 
+#: An entry's fields as read_pending.lua returns them: seq, op, request id, value.
+_Fields = tuple[bytes | None, bytes | None, bytes | None, bytes | None]
+
+
+def _answering(fields: _Fields, fence: Fence | None) -> PendingRecord | None:
+    """The newest pending request if it answers a load, ordered after ``fence``; read whole
+    only then (a save whose value is gone fails the load only when it would answer it).
+
+    Raises:
+        BrokerUnavailable: as ``parse_record``.
+    """
+    seq, op, req, value = fields
+    if seq is None:
+        return None
+    head = PendingRecord(int(seq), op == DELETE_OP.encode(), _text(req))
+    return parse_record(seq, op, req, value) if head.wins(fence) else None
+
+
 def parse_record(
     seq: bytes | None, op: bytes | None, req: bytes | None = None, value: bytes | None = None
 ) -> PendingRecord | None:
@@ -280,8 +298,12 @@ class PendingRecords:
         """The session's newest pending request, read from the broker.
 
         Raises:
-            BrokerUnavailable: the broker did not answer (the store alone could be stale).
+            BrokerUnavailable: the broker did not answer (the store alone could be stale),
+                or the request is a save whose value is gone before its deadline.
         """
+        return parse_record(*self._read_one(session_id))
+
+    def _read_one(self, session_id: str) -> _Fields:
         keys = [
             self.keys.pending_requests(session_id),
             self._epoch_key,
@@ -292,32 +314,33 @@ class PendingRecords:
         except redis_errors.RedisError as exc:
             raise self._unavailable(f"the load of {session_id!r}", exc) from exc
         self.epochs.observe(epoch)
-        return parse_record(*fields)
+        seq, op, req, value = fields
+        return seq, op, req, value
 
     def load(self, session_id: str) -> tuple[Checkpoint | None, Fence | None]:
         """The newest accepted write of the session and its fence: the newest pending
         request's when it is ordered after the store's fence, else the store's.
 
         Raises:
-            BrokerUnavailable: the broker did not answer (a separate broker).
+            BrokerUnavailable: the broker did not answer (a separate broker), or the newest
+                pending request answers and is a save whose value is gone (evicted).
             StoreUnavailable: the store did not answer.
         """
         store = self.store
         store.check_session_id(session_id)
         if self._read_with_store is None:
-            record = self.read(session_id)  # first: a record is gone only once applied
+            fields = self._read_one(session_id)  # first: an entry is gone only once applied
             checkpoint, fence = store.load_with_fence(session_id)
         else:
-            checkpoint, fence, record = self._load_one_redis(session_id)
-        if record is None or not record.wins(fence):
+            checkpoint, fence, fields = self._load_one_redis(session_id)
+        record = _answering(fields, fence)
+        if record is None:
             return checkpoint, fence
         if record.deleted or record.lapsed:
             return None, record.as_fence()
         return store.decode_value(session_id, record.value), record.as_fence()
 
-    def _load_one_redis(
-        self, session_id: str
-    ) -> tuple[Checkpoint | None, Fence | None, PendingRecord | None]:
+    def _load_one_redis(self, session_id: str) -> tuple[Checkpoint | None, Fence | None, _Fields]:
         store = self.store
         if not isinstance(store, RedisStore) or self._read_with_store is None:  # one_redis
             raise TypeError("a one-Redis load needs a RedisStore")
@@ -331,17 +354,11 @@ class PendingRecords:
         with redis_unavailable(f"load {session_id!r}"):
             reply = self._read_with_store(keys=keys, args=["store", *self._read_args(session_id)])
         self.epochs.observe(reply[4])
-        fence = store.fence_from_reply(*reply[6:10])
-        seq, op, req, value = reply[:4]
-        record = None
-        if seq is not None:
-            # The script sends the value of whichever answers, the record's or the store's.
-            record = PendingRecord(int(seq), op == DELETE_OP.encode(), _text(req))
-            if record.wins(fence):
-                record = parse_record(seq, op, req, value)
+        # The script sends the value of whichever answers, the entry's or the store's.
         stored = reply[5]
         checkpoint = None if stored is None else store.decode_value(session_id, stored)
-        return checkpoint, fence, record
+        seq, op, req, value = reply[:4]
+        return checkpoint, store.fence_from_reply(*reply[6:10]), (seq, op, req, value)
 
     def live_records(self) -> dict[str, PendingRecord]:
         """Every session's newest pending request (no values), by session id.
