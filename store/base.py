@@ -165,10 +165,17 @@ class Refusal:
     kind: str
     reason: str
     entry: str
+    #: The refused request's ``seq`` when its message had one: a producer waiting on another
+    #: request of the session under the same id (a faulty producer reusing it) is not told
+    #: of this refusal.
+    seq: int | None = None
 
     def encode(self) -> bytes:
         """The refusal record as its session's refusals hash keeps it (JSON: Go reads it)."""
-        return orjson.dumps({"kind": self.kind, "reason": self.reason, "entry": self.entry})
+        record: dict[str, object] = {"kind": self.kind, "reason": self.reason, "entry": self.entry}
+        if self.seq is not None:
+            record["seq"] = self.seq
+        return orjson.dumps(record)
 
     @classmethod
     def decode(cls, raw: bytes | str | None) -> Refusal | None:
@@ -177,9 +184,20 @@ class Refusal:
             return None
         try:
             fields = orjson.loads(raw)
-            return cls(str(fields["kind"]), str(fields["reason"]), str(fields["entry"]))
-        except (orjson.JSONDecodeError, KeyError, TypeError):
+            seq = fields.get("seq")
+            return cls(
+                str(fields["kind"]),
+                str(fields["reason"]),
+                str(fields["entry"]),
+                seq if isinstance(seq, int) and not isinstance(seq, bool) else None,
+            )
+        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
             return None
+
+    def names(self, seq: int | None) -> bool:
+        """Whether this refusal may be of the request stamped ``seq`` (its id's, in its
+        session: one recorded without a seq may be any)."""
+        return self.seq is None or seq is None or self.seq == seq
 
 
 @dataclass(frozen=True, slots=True)

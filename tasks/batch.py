@@ -26,12 +26,13 @@ from checkpointq.store.errors import InvalidInput
 from checkpointq.store.model import validate_session_id
 from checkpointq.store.serde import checkpoint_from_wire, dumps_go
 from checkpointq.tasks import observers, runtime
-from checkpointq.tasks.dead_letters import Reason
+from checkpointq.tasks.dead_letters import Reason, RefusedRequest
 from checkpointq.tasks.messages import (
     APPLY_BATCH,
     DELETE,
     MAX_ITEMS,
     SAVE,
+    requested_seq,
     requested_session,
     save_outcome,
 )
@@ -93,21 +94,24 @@ def item_outcome(op: BatchOp, result: SaveResult | bool) -> Outcome:
 
 def _item_request(
     task: str, args: list[Any], kwargs: dict[str, Any], request_id: str
-) -> list[tuple[str, str]]:
-    """A bad item's (session id, request id), for its refusal record, if its session reads."""
+) -> list[RefusedRequest]:
+    """A bad item as the request it stands for, for its refusal record, if its session
+    reads."""
     session_id = requested_session(task, args, kwargs)
-    return [(session_id, request_id)] if session_id and request_id else []
+    if not session_id or not request_id:
+        return []
+    return [RefusedRequest(session_id, request_id, requested_seq(args, kwargs))]
 
 
 def batch_requests(
     task_id: str | None, args: list[Any] | tuple[Any, ...], kwargs: dict[str, Any]
-) -> list[tuple[str, str]]:
-    """Every item of a batch refused whole whose session reads, as (session id, request id):
-    each gets a refusal record, so the producers waiting on them learn it."""
+) -> list[RefusedRequest]:
+    """Every item of a batch refused whole whose session reads: each gets a refusal record,
+    so the producers waiting on them learn it."""
     items = args[0] if args else kwargs.get("items")
     if not isinstance(items, list) or not task_id:
         return []
-    requests: list[tuple[str, str]] = []
+    requests: list[RefusedRequest] = []
     for position, item in enumerate(items[:MAX_ITEMS]):
         name, item_args, item_kwargs = _as_request(item)
         requests += _item_request(name, item_args, item_kwargs, item_request_id(task_id, position))

@@ -38,7 +38,7 @@ from checkpointq.store.errors import InvalidInput, StoreUnavailable
 from checkpointq.store.model import validate_session_id
 from checkpointq.store.serde import checkpoint_from_wire
 from checkpointq.tasks import batch, messages, observers, runtime, staged
-from checkpointq.tasks.dead_letters import Reason
+from checkpointq.tasks.dead_letters import Reason, RefusedRequest
 from checkpointq.tasks.messages import (
     DELETE,
     EXPIRE_STALE,
@@ -214,12 +214,14 @@ def _refused_requests(
     session_id: str | None,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-) -> list[tuple[str, str]]:
-    """The (session id, request id) of each request a dead letter refuses: the request's
-    own, or every item's of a batch refused whole."""
+) -> list[RefusedRequest]:
+    """Each request a dead letter refuses: the request's own, or every item's of a batch
+    refused whole."""
     if task == messages.APPLY_BATCH:
         return batch.batch_requests(task_id, args, kwargs)
-    return [(session_id, task_id)] if session_id and task_id else []
+    if not session_id or not task_id:
+        return []
+    return [RefusedRequest(session_id, task_id, requested_seq(args, kwargs))]
 
 
 def _as_sent(

@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from redis import exceptions as redis_errors
 
@@ -52,6 +52,14 @@ class Reason(enum.StrEnum):
     RETRIES_EXHAUSTED = "retries_exhausted"  # kept failing while the store accepted writes
     FAILED = "failed"  # an unexpected error (a bug, or corrupt stored data)
     EXPIRED = "expired"  # its ``expires`` header had passed when the worker received it
+
+
+class RefusedRequest(NamedTuple):
+    """A request a dead letter refuses: its session, its id and its ``seq`` (if any)."""
+
+    session_id: str
+    request_id: str
+    seq: int | None = None
 
 
 class Sender(Protocol):
@@ -133,15 +141,15 @@ class DeadLetters:
         raw: bytes | str | None = None,
         headers: dict[str, Any] | None = None,
         retries: int = 0,
-        requests: Sequence[tuple[str, str]] = (),
+        requests: Sequence[RefusedRequest] = (),
         raw_bytes: int | None = None,
     ) -> str:
         """Append an entry and return its id.
 
         ``raw_bytes``: the size of the whole body when ``raw`` is only a sample of it.
 
-        Each of ``requests`` (session id, request id) also gets a refusal record, so that a
-        producer waiting on that request learns it was refused (and why) at once. A request
+        Each of ``requests`` (session id, request id, seq) also gets a refusal record, so that
+        a producer waiting on that request learns it was refused (and why) at once. A request
         whose session cannot be read (a body that does not decode) gets none: its producer's
         wait times out, and no message can make another session's request look refused.
 
@@ -190,20 +198,19 @@ class DeadLetters:
         return entry
 
     def _record_refusals(
-        self, requests: Sequence[tuple[str, str]], kind: Reason, reason: str, entry: str
+        self, requests: Sequence[RefusedRequest], kind: Reason, reason: str, entry: str
     ) -> None:
-        record = Refusal(kind.value, reason, entry).encode()
         try:
             pipe = self.client.pipeline(transaction=False)
-            for session_id, request_id in requests:
+            for session_id, request_id, seq in requests:
                 key = self.keys.refusals(session_id)
-                pipe.hset(key, request_id, record)
+                pipe.hset(key, request_id, Refusal(kind.value, reason, entry, seq).encode())
                 pipe.expire(key, REFUSAL_TTL_SECONDS)
             pipe.execute()
         except (redis_errors.RedisError, redis_errors.RedisClusterException) as exc:
             # The dead letter itself is written: only the producer's early notice is lost
             # (its wait times out instead). Not worth a retry that would duplicate the entry.
-            ids = [request_id for _, request_id in requests]
+            ids = [request.request_id for request in requests]
             logger.warning(
                 "could not record the refusal of %s (dead letter %s): %s", ids, entry, exc
             )

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from checkpointq.tasks import observers, runtime
-from checkpointq.tasks.dead_letters import Reason
+from checkpointq.tasks.dead_letters import Reason, RefusedRequest
 
 
 def refuse(
@@ -32,7 +32,7 @@ def refuse(
     raw: bytes | str | None = None,
     headers: dict[str, Any] | None = None,
     retries: int = 0,
-    requests: Sequence[tuple[str, str]] = (),
+    requests: Sequence[RefusedRequest] = (),
     seq: int | None = None,
     raw_bytes: int | None = None,
 ) -> str:

@@ -33,7 +33,7 @@ from redis import exceptions as redis_errors
 from checkpointq.store import probe
 from checkpointq.store.errors import StoreUnavailable
 from checkpointq.tasks import messages, observers, runtime
-from checkpointq.tasks.dead_letters import Reason
+from checkpointq.tasks.dead_letters import Reason, RefusedRequest
 from checkpointq.tasks.refusals import refuse
 from checkpointq.worker import backpressure, compressed_bodies, lost_settles, timing
 from checkpointq.worker.hooks import celery as celery_hooks
@@ -46,6 +46,18 @@ Message = Any
 
 #: The namespace of the tasks Celery registers on every app (``celery.app.builtins``).
 CELERY_BUILTINS = "celery."
+
+
+def _refused(
+    session_id: str | None,
+    task_id: str | None,
+    args: list[Any] | None,
+    kwargs: dict[str, Any] | None,
+) -> list[RefusedRequest]:
+    """The request a refused message stands for, when its body names its session."""
+    if not session_id or not task_id:
+        return []
+    return [RefusedRequest(session_id, task_id, messages.requested_seq(args or [], kwargs or {}))]
 
 
 def _describe(message: Message) -> tuple[str | None, str | None]:
@@ -331,7 +343,7 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]  # celery ships no 
                 task_id=task_id,
                 args=args,
                 kwargs=kwargs,
-                requests=[(session_id, task_id)] if session_id and task_id else (),
+                requests=_refused(session_id, task_id, args, kwargs),
                 raw=_raw(message),
                 headers={
                     **headers,

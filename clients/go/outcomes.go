@@ -164,9 +164,17 @@ func (c *Client[C]) decide(h Handle, items []interface{}) (res Result, done bool
 	if err != nil || !present {
 		return res, false, err
 	}
-	var refusal struct{ Kind, Reason, Entry string }
+	var refusal struct {
+		Kind, Reason, Entry string
+		Seq                 *int64
+	}
 	if err := json.Unmarshal(raw, &refusal); err != nil {
 		return res, false, fmt.Errorf("refusal record %q: %v", raw, err)
+	}
+	if refusal.Seq != nil && *refusal.Seq != h.Seq {
+		// Another request of the session under the same id (a faulty producer reusing it):
+		// not this one's refusal.
+		return res, false, nil
 	}
 	return res, true, &RefusedError{Handle: h, Kind: refusal.Kind, Reason: refusal.Reason, Entry: refusal.Entry}
 }

@@ -281,6 +281,8 @@ func TestWaitDurableDecidesByTheFenceFirstInTheFullOrder(t *testing.T) {
 		{"a delete past its deadline still applies", oldDel, fence(old.Seq-1, "0", "a"), nil, "", false},
 		{"a delete past its deadline, no fence", oldDel, nil, nil, "", false},
 		{"no fence, a refusal record", save, nil, refusal, "", true},
+		{"no fence, a refusal record of its seq", save, nil, fmt.Sprintf(`{"kind":"invalid_input","reason":"bad","entry":"1-0","seq":%d}`, seq), "", true},
+		{"no fence, a refusal record of another request under its id", save, nil, fmt.Sprintf(`{"kind":"invalid_input","reason":"bad","entry":"1-0","seq":%d}`, seq+7), "", false},
 		{"a fence ordered after, and a refusal record", save, fence(seq+1, "0", "a"), refusal, Superseded, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

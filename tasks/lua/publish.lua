@@ -24,7 +24,8 @@
 -- a producer clock more than half the limit ahead of the broker's (its requests would
 -- make every later request of their sessions wait or be refused), a seq more than the
 -- limit ahead, a seq that is not a time or is past its deadline already (a clock behind
--- by more than the TTL). A staged save whose value is missing is refused with ERR.
+-- by more than the TTL), a request id already pending in its session as another request.
+-- A staged save whose value is missing is refused with ERR.
 -- Returns the epoch.
 local ttl, limit = tonumber(ARGV[2]), tonumber(ARGV[5])
 local records = (#ARGV - 5) / 5
@@ -51,6 +52,15 @@ for i = 1, records do
       .. " already (more than the session TTL behind the broker's clock)")
   elseif ARGV[a + 2] == 'staged' and redis.call('EXISTS', KEYS[3 + 2 * i]) == 0 then
     return redis.error_reply('ERR staged value ' .. KEYS[3 + 2 * i] .. ' is missing')
+  end
+  -- A request id is its request's, in its session: one already pending with another seq or
+  -- op is another request's (a faulty producer reusing it), which would replace its entry
+  -- and value. The same again is a retried publish that landed: harmless.
+  local held = redis.call('HGET', KEYS[2 + 2 * i], ARGV[a + 3])
+  local op = ARGV[a + 2] == 'staged' and 'save' or ARGV[a + 2]
+  if held and held ~= ARGV[a + 1] .. ' ' .. op then
+    return redis.error_reply('CQREFUSED request: id ' .. ARGV[a + 3] .. ' is pending for'
+      .. ' this session as another request (' .. held .. '): request ids must be unique')
   end
 end
 -- The push is the script's first write: a broker at maxmemory refuses it (OOM) before

@@ -501,7 +501,7 @@ class CheckpointClient:
             outcome = decide(handle.task, request, handle.seq, fence, self._lapsed(handle.seq))
             if outcome is not None:
                 return outcome
-            if refusal is not None:
+            if refusal is not None and refusal.names(handle.seq):
                 description = f"{handle.task} {request} for session {handle.session_id!r}"
                 raise RequestRefused(description, refusal.kind, refusal.reason, refusal.entry)
             if time.monotonic() >= deadline:

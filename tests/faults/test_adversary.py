@@ -29,7 +29,7 @@ import pytest
 from checkpointq.store.base import Fence, StoreOptions
 from checkpointq.store.redis import RedisStore
 from checkpointq.tasks.errors import SeqRefused
-from checkpointq.tasks.messages import SAVE_STAGED
+from checkpointq.tasks.messages import SAVE, SAVE_STAGED
 from checkpointq.tasks.producer.client import CheckpointClient, Handle
 from checkpointq.tasks.producer.clock import SeqClock, wall_clock_us
 from checkpointq.tasks.producer.outcomes import APPLIED, EXPIRED, SUPERSEDED
@@ -263,5 +263,33 @@ def test_hole_5_a_request_id_reused_for_another_session_hijacks_nothing(
         assert list(refusals) == [victim.task_id.encode()]
         assert b"staged value" in refusals[victim.task_id.encode()]
         assert not deployment.store_client().exists(deployment.keys.refusals("victim"))
+    finally:
+        client.close()
+
+
+def test_hole_5_a_request_id_reused_in_its_own_session_cannot_make_it_look_refused(
+    deployment: Deployment,
+) -> None:
+    # Given a victim's delete accepted, its message held back (the queue lagging), and a bad
+    # request of the same session under its id (another seq, a checkpoint no worker takes)
+    client = _client(deployment)
+    try:
+        victim = client.delete("victim")
+        assert victim.seq is not None
+        held = deployment.broker_client().lpop(QUEUE)
+        assert isinstance(held, bytes)
+        bad = {"sessionId": "victim", "version": "three"}  # a version must be an integer
+        body = json.dumps([[bad], {"seq": victim.seq + 1}, {}]).encode()
+        envelope = protocol2(SAVE, [], body=body, queue=QUEUE, task_id=victim.task_id)
+        deployment.broker_client().rpush(QUEUE, envelope)
+        # When a worker refuses the bad one (its refusal record names its own seq)
+        deployment.worker()
+        deployment.wait_dead_letters(1)
+        # Then the victim, still queued, is still on its way: not reported refused
+        with pytest.raises(TimeoutError):
+            client.wait_durable(victim, timeout=1)
+        # And once its message lands, it is applied
+        deployment.broker_client().rpush(QUEUE, held)
+        assert client.wait_durable(victim, timeout=30).outcome == APPLIED
     finally:
         client.close()

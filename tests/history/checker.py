@@ -150,9 +150,14 @@ class _Checker:
                 yield f"(d) {_name(request)} reported expired before its deadline"
 
     def dead_letters(self) -> Iterator[str]:
-        for session, task_id in self.history.dead_letters:
+        for session, task_id, seq in self.history.dead_letters:
             request = self.requests.get(task_id or "")
-            if request is None or request.session != session or request.producer not in HEALTHY:
+            if (
+                request is None
+                or request.session != session
+                or request.seq != seq
+                or request.producer not in HEALTHY
+            ):
                 continue  # a hijack's, or a faulty producer's: refused on its own account
             if not self.exempt(request, self.history.end_us):
                 yield f"(d) {_name(request)} was dead-lettered"

@@ -81,7 +81,7 @@ def random_action(rng: random.Random) -> Action:
         ms = {"ms": (0, 300), "s": (1_000, 8_000), "ttl": (20_000, 40_000)}[scale]
         args = (rng.randint(*ms),)
     elif name == "hijack":
-        args = (rng.randrange(64), rng.randrange(2))
+        args = (rng.randrange(64), rng.randrange(2), rng.randrange(2))
     else:
         args = ()
     return Action(name, args)

@@ -174,8 +174,8 @@ class History:
     outcomes: list[OutcomeRead] = field(default_factory=list)
     losses: list[Loss] = field(default_factory=list)
     hijacks: list[tuple[str, str]] = field(default_factory=list)
-    #: (session, request id) of each dead letter, read once the workers drained.
-    dead_letters: list[tuple[str | None, str | None]] = field(default_factory=list)
+    #: (session, request id, seq) of each dead letter, read once the workers drained.
+    dead_letters: list[tuple[str | None, str | None, int | None]] = field(default_factory=list)
     final: dict[str, Final] = field(default_factory=dict)
     end_us: int = 0
     #: An exception a step raised (itself a failure: no step may raise).
@@ -378,19 +378,24 @@ class World:
             OutcomeRead(name, target.request_id, self.clock.now_us(), outcome)
         )
 
-    def _hijack(self, request: int, session: int) -> None:
-        """A staged save's message for another session carrying an accepted request's id,
-        with no record (a faulty or hostile producer's raw LPUSH)."""
+    def _hijack(self, request: int, session: int, same: int = 0) -> None:
+        """A message carrying an accepted request's id, with no record (a faulty or hostile
+        producer's raw LPUSH): a staged save of another session, or (``same``) a bad save of
+        the request's own session, stamped one after it, which a worker refuses."""
         if not self.handles:
             return
         victim: Request = self._pick(self.handles, request)
-        sid = self._pick(SESSIONS, session)
-        if sid == victim.session:
-            sid = next(s for s in SESSIONS if s != victim.session)
-        body = json.dumps([[sid], {"seq": self.clock.now_us()}, {}]).encode()
-        envelope = protocol2(
-            messages.SAVE_STAGED, [], body=body, queue=QUEUE, task_id=victim.request_id
-        )
+        if same % 2:
+            sid, task = victim.session, messages.SAVE
+            bad = {"sessionId": sid, "version": "not a number"}
+            body = json.dumps([[bad], {"seq": victim.seq + 1}, {}]).encode()
+        else:
+            sid = self._pick(SESSIONS, session)
+            if sid == victim.session:
+                sid = next(s for s in SESSIONS if s != victim.session)
+            task = messages.SAVE_STAGED
+            body = json.dumps([[sid], {"seq": self.clock.now_us()}, {}]).encode()
+        envelope = protocol2(task, [], body=body, queue=QUEUE, task_id=victim.request_id)
         self.broker.lpush(QUEUE, envelope)
         self.history.hijacks.append((sid, victim.request_id))
 
@@ -533,10 +538,10 @@ class World:
                 None if loaded is None else loaded.version,
             )
         for letter in DeadLetters(self.store_client, self.keys).list(count=10_000).entries:
-            session = messages.requested_session(
-                letter.task, letter.args or [], letter.kwargs or {}
-            )
-            self.history.dead_letters.append((session, letter.task_id))
+            args, kwargs = letter.args or [], letter.kwargs or {}
+            session = messages.requested_session(letter.task, args, kwargs)
+            seq = messages.requested_seq(args, kwargs)
+            self.history.dead_letters.append((session, letter.task_id, seq))
 
 
 class VariantSettler(Settler):

@@ -13,11 +13,14 @@ from checkpointq.store import ConversationMessage, RedisStore
 from checkpointq.store.base import StoreOptions
 from checkpointq.store.errors import CheckpointTooLarge, StoreUnavailable
 from checkpointq.store.keys import KeySpace
-from checkpointq.tasks.errors import BrokerUnavailable
+from checkpointq.tasks.errors import BrokerUnavailable, SeqRefused
 from checkpointq.tasks.producer.batching import BatchingClient
 from checkpointq.tasks.producer.client import CheckpointClient
 from checkpointq.tasks.producer.pending import (
+    DELETE_OP,
+    SAVE_OP,
     EpochWatch,
+    RecordWrite,
     Settlement,
     settle_command,
     settle_source,
@@ -335,3 +338,37 @@ def test_a_broker_at_maxmemory_refuses_the_push_whole(
         assert checkpoint is not None and checkpoint.version == 1
     finally:
         redis_client.config_set("maxmemory", 0)
+
+
+def test_publish_refuses_a_request_id_pending_in_its_session_as_another_request(
+    one_redis: tuple[CheckpointClient, CheckpointClient], redis_client: redis.Redis
+) -> None:
+    # Given a pending save of a session
+    a, _ = one_redis
+    records = a.pending_records
+    assert records is not None
+    handle = a.save(make_checkpoint("s", version=1))
+    assert handle.seq is not None
+    value = redis_client.get(KEYS.pending_value("s", handle.task_id))
+    assert isinstance(value, bytes)
+
+    def push(seq: int, op: str = SAVE_OP) -> None:
+        write = RecordWrite("s", seq, op, handle.task_id, b"" if op == DELETE_OP else value)
+        records.push(QUEUE, b"message", [write])
+
+    # When the same request is published again (a retry whose first push landed), it is
+    # taken: one more message, the same entry
+    push(handle.seq)
+    assert redis_client.llen(QUEUE) == 2
+    # But under the same id another seq, or another op, is another request: refused at once
+    # (a faulty producer reusing the id), and the entry and its value stay the first one's
+    with pytest.raises(SeqRefused, match="request ids must be unique"):
+        push(handle.seq + 1)
+    with pytest.raises(SeqRefused, match="request ids must be unique"):
+        push(handle.seq, DELETE_OP)
+    assert redis_client.llen(QUEUE) == 2
+    entries = redis_client.hgetall(KEYS.pending_requests("s"))
+    assert entries == {handle.task_id.encode(): f"{handle.seq} save".encode()}
+    assert redis_client.get(KEYS.pending_value("s", handle.task_id)) == value
+    # And the same id in another session is another session's business
+    records.push(QUEUE, b"message", [RecordWrite("t", handle.seq + 1, DELETE_OP, handle.task_id)])
