@@ -1,0 +1,818 @@
+/*
+ * checkpointq write-behind protocol, v2 (notes/protocol-v2.md), as a Spin model.
+ * Scope, invariants and how to run: tests/model/README.md. Runner: scripts/check-model.
+ *
+ * One step of a process here is one atomic thing in the real system: one Lua script (a
+ * Redis script runs alone), one read, or one local decision. Everything between two steps
+ * can interleave with every other process, and Spin explores every interleaving.
+ *
+ * Units: time is a tick (`now`, the servers' clock, which the brokers, the store and the
+ * workers agree on). A seq is tick * K + counter: the producer rule's microseconds, with
+ * K seq units per tick, so a fence + 1 is still in the fence's tick (K > NREQ keeps it so).
+ *
+ * Broken variants, each a -D macro (see README.md, "Broken variants"):
+ *   SETTLE_BY_SEQ            settle removes every entry with seq <= the settled one's (v1)
+ *   NO_PUBLISH_CLOCK_CHECK   publish.lua does not check the clock or seq against N
+ *   PROCESS_FLOOR            one stamp floor for all sessions of a producer (v1 SeqClock)
+ *   SHORT_TOMBSTONE          a tombstone expires SHORT_TOMB ticks after the delete applied
+ *   NO_LIFETIME              no lapse: a save applies whatever its age, TTL from the apply
+ *   GLOBAL_IDS               staged values and refusal records keyed by request id only
+ *   STORE_FIRST_LOAD         a two-step load reads the store first, then the broker
+ * Scope knobs: NREQ, NW, TMAX, LOSSES, HIJACK_SAME_SESSION (README.md, "Long mode").
+ */
+
+#ifndef NREQ
+#define NREQ 3          /* requests in a run (saves and deletes, refused ones included) */
+#endif
+#ifndef NW
+#define NW 1            /* workers */
+#endif
+#ifndef TMAX
+#define TMAX 5          /* the last tick */
+#endif
+#ifndef LOSSES
+#define LOSSES 1        /* losses of the broker's data */
+#endif
+#define NS 2            /* sessions 1 .. NS */
+#define NP 4            /* producers (replicas) */
+#define K 4             /* seq units per tick */
+#ifndef TTL
+#define TTL 3           /* session lifetime, ticks */
+#endif
+#define L 2             /* max seq ahead, ticks (the clock check allows L/2) */
+#define TOMB 1          /* tombstone margin, ticks */
+#define SHORT_TOMB 1    /* SHORT_TOMBSTONE: a tombstone's fixed lifetime, ticks */
+#define R 8             /* request ids are 1 .. R-1 */
+#define NSL (NREQ + 1)  /* request slots 1 .. NREQ (0 = none) */
+#define NSS (NS + 1)
+
+#define SAVE 0
+#define DEL 1
+/* the order key k(r) = (seq, rank(op), req) as one integer: compare keys with < */
+#define KEY(seq, op, rq) ((seq) * 2 * R + (op) * R + (rq))
+#define SEQ_OF(k) ((k) / (2 * R))
+#define REQ_OF(k) ((k) % R)
+
+/* producers: their clock skews (ticks) are set in init */
+#define P_OK   0        /* a correct replica, skew 0 */
+#define P_FAST 1        /* clock ahead beyond L/2: every publish of its own is refused */
+#define P_SLOW 2        /* clock behind by TTL: its blind stamps are already lapsed */
+#define P_EVIL 3        /* clock ahead within L/2; sends bad input, reuses others' ids */
+#define FAST_FAULT(p) (skew[p] > L / 2)      /* its clock is ahead beyond the limit */
+#define SLOW_FAULT(p) (skew[p] <= -TTL)      /* its clock is a TTL behind or more */
+
+/* st[i]: the request in slot i */
+#define FREE 0
+#define RESERVED 1      /* a producer is preparing it (stamp not yet taken) */
+#define REFUSED_PUB 2   /* publish.lua refused it: nothing written */
+#define ACCEPTED 3
+/* msg[i]: its message on the broker */
+#define NOMSG 0
+#define QUEUED 1
+#define UNACKED 2
+#define ACKED 3
+#define LOST 4          /* lost with the broker's data */
+
+byte now;               /* the servers' clock, ticks */
+byte nreq;              /* slots handed out */
+byte losses;            /* the pending epoch changes with each */
+short skew[NP];
+
+/* requests: fixed once published */
+byte r_p[NSL], r_s[NSL], r_op[NSL], r_rq[NSL], r_seq[NSL], r_dl[NSL];
+bit r_stg[NSL], r_bad[NSL];
+short r_key[NSL];
+/* and what became of them (the model's ground truth, not protocol state) */
+byte st[NSL], msg[NSL];
+bit applied[NSL];       /* a worker's save.lua/delete.lua applied it (step 3) */
+bit hit[NSL];           /* it set the fence: applied, or lapsed over the fence (step 2) */
+bit refused[NSL];       /* dead-lettered / refused by a worker */
+bit own[NSL];           /* ... for its own producer's fault */
+bit exempt[NSL];        /* lost with the broker's data before it was applied */
+
+/* broker: entry hash E[s] (req -> (seq, op)), staged values V[s, req], their expiry.
+ * Indexed by key slot: the slot of the first request with that (session, req) key
+ * (KSE/KSV below), so two requests sharing a key share one entry, as in Redis. */
+bit e_on[NSL];
+byte e_slot[NSL];       /* the request whose (seq, op) the entry holds */
+byte e_exp[NSS];        /* E[s] expires at this tick (max deadline of its entries) */
+bit v_on[NSL];
+byte v_slot[NSL];       /* whose value it is */
+byte v_dl[NSL];
+
+/* store: per session the fence (key, lapsed, expiry) and the value (whose, deadline);
+ * refusal records keyed like staged values */
+short f_key[NSS];       /* 0: no fence */
+bit f_lap[NSS];
+byte f_exp[NSS];
+byte val[NSS];          /* 0: no value */
+byte val_dl[NSS];
+bit rr[NSL];
+
+/* producers: the per-session floor F_p[s] */
+byte F[NP * NSS];
+/* workers: the message each holds (0: none) */
+byte wcur[NW];
+/* producers mid-request; whether the fast one made its request (it makes one: all of them
+ * are refused at publish) */
+bit mid[NP];
+byte crashes;
+bit fast_used;
+byte evil_used;
+
+#ifdef HIJACK_SAME_SESSION
+#define HIJACK_SAME true
+#else
+#define HIJACK_SAME false
+#endif
+
+/* entries: keyed by (session, req) */
+#define KSE(i) ((r_s[r_rq[i]] == r_s[i]) -> r_rq[i] : i)
+#ifdef GLOBAL_IDS
+/* hole 5 (v1): a staged value and a refusal record are keyed by the request id alone */
+#define KSV(i) (r_rq[i])
+#else
+#define KSV(i) KSE(i)
+#endif
+
+/* scratch for d_steps (not in the state vector: always written first, and only ever used
+ * inside one d_step, never across an atomic's steps, which Spin may backtrack into) */
+hidden byte hq, hw, hm, hs, ht, hc;
+hidden byte hv;
+hidden short hk, hseq, hcp;
+hidden byte hok, hquiet;
+/* one per assertion, so that a violation names its invariant */
+hidden byte a_value_ok, a_no_lost_write, b_deletes_stick, d_publish_refusal, d_worker_refusal, d_applied_true, d_refused_true, c_final_state;
+
+/* ------------------------------------------------------------------------------------ */
+/* Loads (tasks/lua/load_pending.lua, store/lua/load.lua, the client's merge)            */
+
+/* The merge: the max entry if it is ordered after the fence (its value, "absent" if a
+ * delete or past its deadline), else the store's answer. ak, ac: the answer's key and value;
+ * at: when the value was judged live. */
+#define DL_OF(k) (SEQ_OF(k) / K + TTL)
+#ifdef LOAD_DEADLINE_AT_BROKER_READ
+/* the spec read literally as load_pending.lua would do it: the deadline judged at the
+ * broker read, by the broker's TIME */
+#define LIVE_AT_BROKER_READ(m) (now < r_dl[m])
+#define MERGE(bk, bc, sk, sc, tb, ts, ak, ac, at) \
+  if :: bk > sk -> ak = bk; ac = bc; at = tb :: else -> ak = sk; ac = sc; at = ts fi
+#else
+#define LIVE_AT_BROKER_READ(m) true
+#define MERGE(bk, bc, sk, sc, tb, ts, ak, ac, at) \
+  if :: bk > sk -> ak = bk; ac = ((now < DL_OF(bk)) -> bc : 0); at = now \
+     :: else -> ak = sk; ac = sc; at = ts fi
+#endif
+
+/* The broker's half: the max entry m of E[s] by key, and its value if a save (V[s, m.req]).
+ * bk = 0: no entry. Whether m is past its deadline is judged when the two halves merge, by
+ * the server clock at the store read (see MERGE below). */
+inline broker_read(s, bk, bc) {
+  bk = 0; bc = 0; hm = 0;
+  for (hq : 1 .. NREQ) {
+    if
+    :: e_on[hq] && r_s[e_slot[hq]] == s && r_key[e_slot[hq]] > bk ->
+       bk = r_key[e_slot[hq]]; hm = e_slot[hq]
+    :: else
+    fi
+  }
+  if
+  :: bk != 0 && r_op[hm] == SAVE && LIVE_AT_BROKER_READ(hm) && v_on[KSV(hm)] -> bc = v_slot[KSV(hm)]
+  :: else -> bc = 0
+  fi
+}
+
+
+
+/* The store's half: the fence's key, and the value unless past its deadline. */
+inline store_read(s, sk, sc) {
+  sk = f_key[s];
+  sc = ((val[s] != 0 && now < val_dl[s]) -> val[s] : 0)
+}
+
+/* Whether request q counts as the answer of a load: accepted, not refused for its own
+ * fault, not lost with the broker's data before it was applied. */
+#define COUNTS(q) (st[q] == ACCEPTED && !own[q] && (!exempt[q] || hit[q]))
+
+/* Invariants (a) and (b) for one load of session s that answered key ak with value ac
+ * (0: absent), the value judged live at tick at; mask: the requests accepted when it
+ * started; cmask: those that counted then (a request lost or refused while the load ran
+ * may still be its answer: it was pending when the load read the broker). */
+inline check_load(s, ak, ac, at, mask, cmask) {
+  /* a value answer is the value of the request the load names, of this session, live */
+  if
+  :: ac != 0 ->
+     hok = (r_s[ac] == s && r_op[ac] == SAVE && r_key[ac] == ak && at < r_dl[ac]);
+     if :: !hok -> printf("VIOLATION (a): a load of s%d served #%d's value, not the live value of the request it names (seq %d req %d)\n", s, ac, SEQ_OF(ak), REQ_OF(ak)) :: else fi;
+     a_value_ok = hok; assert(a_value_ok)      /* (a): a value served is the named request's own, not past deadline */
+  :: else
+  fi;
+  for (hw : 1 .. NREQ) {
+    if
+    :: st[hw] == ACCEPTED && (mask & (1 << hw)) && r_s[hw] == s && !exempt[hw] && !own[hw] ->
+       if
+       :: ac != 0 -> hok = (r_key[ac] >= r_key[hw])
+       :: else ->
+          /* absent: only as the answer of a delete, or of a save past its deadline,
+           * ordered >= w (one that counts: not refused for its own fault, not lost) */
+          hok = false;
+          for (hq : 1 .. NREQ) {
+            if
+            :: (COUNTS(hq) || (cmask & (1 << hq))) && r_s[hq] == s && r_key[hq] >= r_key[hw] &&
+               (r_op[hq] == DEL || r_dl[hq] <= now) -> hok = true
+            :: else
+            fi
+          }
+       fi;
+       if :: !hok -> printf("VIOLATION (a): a load of s%d answered seq %d req %d value #%d: accepted #%d (seq %d) is lost\n", s, SEQ_OF(ak), REQ_OF(ak), ac, hw, r_seq[hw]) :: else fi;
+       a_no_lost_write = hok; assert(a_no_lost_write)    /* (a) no accepted write lost */
+    :: else
+    fi
+  }
+  if
+  :: ac != 0 ->
+     for (hw : 1 .. NREQ) {
+       if
+       :: st[hw] == ACCEPTED && (mask & (1 << hw)) && r_s[hw] == s && r_op[hw] == DEL &&
+          !own[hw] && (!exempt[hw] || applied[hw]) ->
+          hok = (r_key[ac] > r_key[hw]);
+          if :: !hok -> printf("VIOLATION (b): a load of s%d served #%d's value, ordered before the delete #%d\n", s, ac, hw) :: else fi;
+          b_deletes_stick = hok; assert(b_deletes_stick)  /* (b) deletes stick */
+       :: else
+       fi
+     }
+  :: else
+  fi
+}
+
+/* for trails (spin -t): "#slot (session op seq req deadline)" */
+inline say(i) {
+  printf("#%d (s%d ", i, r_s[i]);
+  if
+  :: r_op[i] == SAVE && r_stg[i] -> printf("staged save")
+  :: r_op[i] == SAVE && !r_stg[i] -> printf("save")
+  :: else -> printf("delete")
+  fi;
+  printf(" seq %d req %d dl %d", r_seq[i], r_rq[i], r_dl[i]);
+  if :: r_bad[i] -> printf(" BAD-INPUT)") :: else -> printf(")") fi
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Producers (tasks/producer/clock.py SeqClock, client.py, tasks/lua/publish.lua)        */
+
+/* What request a replica makes (one slot each time; NREQ slots in all):
+ *   P_OK    session 1 (and 2 with OK_TWO_SESSIONS): a save, a staged save or a delete;
+ *           blind, or after a load of the session
+ *   P_SLOW  session 1: a save or a delete; blind or after a load
+ *   P_FAST  session 1: one blind save (its clock alone gets it refused at publish)
+ *   P_EVIL  session 2: EVIL_MAX blind saves under the request id of an accepted request of
+ *           session 1 (read from its pending record), staged or with a bad input
+ *           (HIJACK_SAME_SESSION: on session 1 too) */
+#ifndef EVIL_MAX
+#define EVIL_MAX 1
+#endif
+#define VICTIM(j, s) ((j) < NREQ && st[j] == ACCEPTED && r_p[j] != P_EVIL && (r_s[j] != s || HIJACK_SAME))
+#define ANY_VICTIM(s) (VICTIM(1, s) || VICTIM(2, s) || VICTIM(3, s))
+#ifdef HIJACK_SAME_SESSION
+#define EVIL_CAN (evil_used < EVIL_MAX && (ANY_VICTIM(1) || ANY_VICTIM(2)))
+#else
+#define EVIL_CAN (evil_used < EVIL_MAX && ANY_VICTIM(2))
+#endif
+#define CAN_REQUEST(p) (nreq < NREQ && \
+  (p == P_OK || p == P_SLOW || (p == P_FAST && !fast_used) || (p == P_EVIL && EVIL_CAN)))
+#define MAY_REQUEST(p) (nreq < NREQ && (p == P_OK || p == P_SLOW || \
+  (p == P_FAST && !fast_used) || (p == P_EVIL && evil_used < EVIL_MAX)))
+#define CAN_LOAD(p) (p == P_OK || p == P_SLOW)
+
+inline choose_request(p, i) {
+  r_p[i] = p; r_rq[i] = i;
+  if
+  :: p == P_OK ->
+#ifdef OK_TWO_SESSIONS
+     if :: r_s[i] = 1 :: r_s[i] = 2 fi;
+#else
+     r_s[i] = 1;
+#endif
+     if :: r_op[i] = SAVE :: r_op[i] = SAVE; r_stg[i] = 1 :: r_op[i] = DEL fi
+  :: p == P_FAST -> r_s[i] = 1; r_op[i] = SAVE; fast_used = 1
+  :: p == P_SLOW -> r_s[i] = 1; if :: r_op[i] = SAVE :: r_op[i] = DEL fi
+  :: p == P_EVIL ->
+     evil_used++;
+#ifdef HIJACK_SAME_SESSION
+     if :: ANY_VICTIM(1) -> r_s[i] = 1 :: ANY_VICTIM(2) -> r_s[i] = 2 fi;
+#else
+     r_s[i] = 2;
+#endif
+     r_op[i] = SAVE;
+     if :: r_stg[i] = 1 :: r_bad[i] = 1 fi;
+     if
+     :: VICTIM(1, r_s[i]) -> r_rq[i] = r_rq[1]
+     :: VICTIM(2, r_s[i]) -> r_rq[i] = r_rq[2]
+#if NREQ >= 4
+     :: VICTIM(3, r_s[i]) -> r_rq[i] = r_rq[3]
+#endif
+     fi
+  fi
+}
+
+/* stamp(s): seq = max(c_p, F_p[s] + 1); F_p[s] = seq. Then publish.lua, one script:
+ * the checks against the broker's clock N first (nothing written when one refuses), then
+ * LPUSH, the entry, the staged value, E[s]'s expiry. */
+inline stamp_and_publish(p, i) {
+  hs = r_s[i];
+  hcp = now + skew[p];
+  if :: hcp < 0 -> hcp = 0 :: else fi;       /* c_p, ticks */
+  hseq = F[p * NSS + hs] + 1;
+  if :: hcp * K > hseq -> hseq = hcp * K :: else fi;
+#ifdef PROCESS_FLOOR
+  /* v1: the process's last stamp and every fence it saw raise every session's stamps */
+  for (hq : 1 .. NS) { F[p * NSS + hq] = hseq }
+#else
+  F[p * NSS + hs] = hseq;
+#endif
+  r_seq[i] = hseq; r_key[i] = KEY(hseq, r_op[i], r_rq[i]); r_dl[i] = hseq / K + TTL;
+  /* hok: accepted; hc: refused for its own producer's fault */
+  hok = true; hc = true;
+#ifndef NO_PUBLISH_CLOCK_CHECK
+  if :: hcp > now + L / 2 -> hok = false; hc = FAST_FAULT(p) :: else fi;          /* "clock ahead" */
+  if :: hok && hseq > now * K + L * K -> hok = false; hc = FAST_FAULT(p) :: else fi; /* "seq too far ahead" */
+#endif
+  if :: hok && r_dl[i] <= now -> hok = false; hc = SLOW_FAULT(p) :: else fi;     /* "already lapsed" */
+  printf("t%d P%d publish ", now, p); say(i);
+  if
+  :: !hok ->
+     printf(" -> refused at publish\n");
+     st[i] = REFUSED_PUB;
+     /* nothing of it remains anywhere: forget it (fewer states) */
+     r_p[i] = 0; r_s[i] = 0; r_op[i] = 0; r_rq[i] = 0; r_seq[i] = 0; r_dl[i] = 0;
+     r_stg[i] = 0; r_bad[i] = 0; r_key[i] = 0;
+     d_publish_refusal = hc;
+     if :: !hc -> printf("VIOLATION (d): P%d refused at publish, not for its own clock\n", p) :: else fi;
+     assert(d_publish_refusal)    /* (d): refused at publish only for its own clock */
+  :: else ->
+     printf(" -> accepted\n");
+     st[i] = ACCEPTED; msg[i] = QUEUED;
+     hq = KSE(i); e_on[hq] = 1; e_slot[hq] = i;
+     /* E[s] expires at the max deadline of its entries (0 while E[s] is empty) */
+     if :: e_exp[hs] < r_dl[i] -> e_exp[hs] = r_dl[i] :: else fi;
+     /* every save's value goes to V[s, req] (a staged save's message carries none) */
+     if
+     :: r_op[i] == SAVE -> hq = KSV(i); v_on[hq] = 1; v_slot[hq] = i; v_dl[hq] = r_dl[i]
+     :: else
+     fi
+  fi
+}
+
+/* publish.lua, then forget the floors of producers that will never stamp again (dead
+ * values: fewer states) */
+inline publish(p, i) {
+  stamp_and_publish(p, i); i = 0; s = 0; mid[p] = 0;
+  for (hq : 0 .. NP - 1) {
+    if :: !mid[hq] && !MAY_REQUEST(hq) -> for (hw : 1 .. NS) { F[hq * NSS + hw] = 0 } :: else fi
+  }
+  hq = 0    /* (a d_step must not end in a loop: Spin 6.5 loses the exit label) */
+}
+
+proctype producer(byte p) {
+  byte i, s, bc, t0, mask, cmask, sc;
+  short bk, sk;
+end_producer:
+  do
+  :: atomic {
+       CAN_REQUEST(p) -> nreq++; i = nreq; st[i] = RESERVED; mid[p] = 1;
+       choose_request(p, i); s = r_s[i];
+       if
+       :: d_step { publish(p, i) }                  /* a blind write */
+       :: CAN_LOAD(p) ->
+          /* load -> write: a two-step load, broker first (load_pending.lua's read of E[s]
+           * and V), then the store (load.lua). When nothing happens between the two steps
+           * it is the one-script load of a single Redis, so this covers that one too. */
+          d_step {
+            t0 = now; mask = 0; cmask = 0;
+            for (hq : 1 .. NREQ) {
+              if :: st[hq] == ACCEPTED -> mask = mask | (1 << hq) :: else fi;
+              if :: COUNTS(hq) -> cmask = cmask | (1 << hq) :: else fi
+            }
+#ifdef STORE_FIRST_LOAD
+            store_read(s, sk, sc)
+#else
+            broker_read(s, bk, bc)
+#endif
+          }
+       fi
+     };
+     if
+     :: i == 0                                      /* published */
+     :: i != 0 ->
+        d_step {
+#ifdef STORE_FIRST_LOAD
+          broker_read(s, bk, bc);
+          MERGE(bk, bc, sk, sc, now, t0, hk, hc, ht);
+#else
+          store_read(s, sk, sc);
+          MERGE(bk, bc, sk, sc, t0, now, hk, hc, ht);
+#endif
+          printf("t%d P%d load s%d (started t%d) -> seq %d ", now, p, s, t0, SEQ_OF(hk));
+          if :: hk == 0 -> printf("(nothing)") :: hk % (2 * R) >= R -> printf("delete") :: else -> printf("save") fi;
+          printf(" req %d value #%d\n", REQ_OF(hk), hc);
+          check_load(s, hk, hc, ht, mask, cmask);
+          /* adopt the loaded key: F_p[s] = max(F_p[s], seq) */
+          if
+          :: hk != 0 && SEQ_OF(hk) > F[p * NSS + s] ->
+#ifdef PROCESS_FLOOR
+             for (hq : 1 .. NS) { F[p * NSS + hq] = SEQ_OF(hk) }
+#else
+             F[p * NSS + s] = SEQ_OF(hk)
+#endif
+          :: else
+          fi;
+          bk = 0; bc = 0; sk = 0; sc = 0; t0 = 0; mask = 0; cmask = 0
+        };
+        d_step { publish(p, i) }                    /* the write made from that load */
+     fi
+  od
+  /* no `break`: a producer with nothing left to do blocks at the top of its loop (a valid
+   * end state), rather than doubling the states with "ended or not yet" */
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Workers (tasks/checkpoints.py, worker/coalesce.py; store/lua/save.lua, delete.lua;    */
+/* tasks/lua/settle.lua)                                                                  */
+
+/* Refused / dead-lettered: a refusal record keyed (session, req). Only the request's own
+ * producer's fault, or the loss of the broker's data, may refuse a request (d). */
+inline dead_letter(i, ownfault) {
+  printf(" -> refused (dead letter)\n");
+  refused[i] = 1; own[i] = ownfault; rr[KSV(i)] = 1;
+  hok = (ownfault || exempt[i]);
+  if :: !hok -> printf("VIOLATION (d): #%d refused, not for its own producer's fault\n", i) :: else fi;
+  d_worker_refusal = hok; assert(d_worker_refusal)         /* (d): refused only for its own producer's fault */
+}
+
+#ifdef NO_LIFETIME
+#define NOT_LAPSED(i) true
+#else
+#define NOT_LAPSED(i) (now < r_dl[i])
+#endif
+
+/* apply(r) at the servers' clock N = now; vc: the value the worker holds for a save
+ * (a plain save's is in its message; a staged one's was read from V, 0 if missing). */
+inline apply(i, vc) {
+  hs = r_s[i]; hk = r_key[i];
+  printf("t%d worker applies ", now); say(i);
+  if
+  :: r_seq[i] > now * K + L * K ->
+     dead_letter(i, FAST_FAULT(r_p[i]))             /* 1. "seq too far ahead" (tasks/seq.py) */
+  :: else ->
+  if
+  :: r_bad[i] -> dead_letter(i, 1)                  /* 1. bad input */
+#ifndef NO_LIFETIME
+  :: !r_bad[i] && r_op[i] == SAVE && now >= r_dl[i] ->
+     /* 2. lapse (delete.lua with ARGV[5] = '2'): fences it as a lapsed save if it is ordered
+      * after the fence; the value goes. Outcome "expired", never a dead letter. */
+     if
+     :: hk > f_key[hs] ->
+        val[hs] = 0; val_dl[hs] = 0;
+        f_key[hs] = hk; f_lap[hs] = 1;
+        f_exp[hs] = ((now > r_dl[i]) -> now : r_dl[i]) + TOMB;
+        hit[i] = 1;
+        printf(" -> lapsed: fence = it, lapsed, until t%d\n", f_exp[hs])
+     :: else -> printf(" -> lapsed (stale)\n")
+     fi
+#endif
+  :: !r_bad[i] && r_op[i] == SAVE && NOT_LAPSED(i) ->
+     /* 3. save.lua: applies iff k(r) > k(fence), or == (a duplicate) */
+     if
+     :: hk < f_key[hs] -> printf(" -> stale\n")      /* superseded */
+     :: else ->
+        if
+        :: vc == 0 ->
+           /* 4. staged value missing: stale if the fence shows it applied, else lost */
+           if
+           :: hk == f_key[hs] -> printf(" -> stale (value gone, fence shows it)\n")
+           :: else -> dead_letter(i, 0)
+           fi
+        :: else ->
+           val[hs] = vc;
+#ifdef NO_LIFETIME
+           /* v1: a fresh TTL from the apply (never shorter than the deadline, so that only
+            * the missing lapse rule shows) */
+           val_dl[hs] = ((now + TTL > r_dl[i]) -> now + TTL : r_dl[i]);
+#else
+           val_dl[hs] = r_dl[i];
+#endif
+           f_key[hs] = hk; f_lap[hs] = 0; f_exp[hs] = val_dl[hs] + TOMB;
+           applied[i] = 1; hit[i] = 1;
+           printf(" -> applied: value #%d until t%d, fence until t%d\n", vc, val_dl[hs], f_exp[hs])
+        fi
+     fi
+  :: !r_bad[i] && r_op[i] == DEL ->
+     /* 3. delete.lua: applies iff k(r) >= k(fence); tombstone until
+      * max(N, deadline(r)) + TOMB */
+     if
+     :: hk >= f_key[hs] ->
+        val[hs] = 0; val_dl[hs] = 0;
+        f_key[hs] = hk; f_lap[hs] = 0;
+#ifdef SHORT_TOMBSTONE
+        f_exp[hs] = now + SHORT_TOMB;
+#else
+        f_exp[hs] = ((now > r_dl[i]) -> now : r_dl[i]) + TOMB;
+#endif
+        applied[i] = 1; hit[i] = 1;
+        printf(" -> applied: tombstone until t%d\n", f_exp[hs])
+     :: else -> printf(" -> stale\n")
+     fi
+  fi
+  fi
+}
+
+/* settle.lua: remove exactly r's entry (HDEL E[s] r.req) and V[s, r.req]; nothing else. */
+inline settle(i) {
+  hs = r_s[i];
+  printf("t%d worker settles #%d\n", now, i);
+#ifdef SETTLE_BY_SEQ
+  /* v1: every entry of the session with seq <= the settled request's */
+  for (hq : 1 .. NREQ) {
+    if
+    :: e_on[hq] && r_s[e_slot[hq]] == hs && r_seq[e_slot[hq]] <= r_seq[i] ->
+       e_on[hq] = 0; e_slot[hq] = 0
+    :: else
+    fi
+  }
+#else
+  hq = KSE(i); e_on[hq] = 0; e_slot[hq] = 0;
+#endif
+  hq = KSV(i); v_on[hq] = 0; v_slot[hq] = 0; v_dl[hq] = 0;
+  /* an empty hash is no key: its expiry goes with it */
+  hc = 0;
+  for (hq : 1 .. NREQ) { if :: e_on[hq] && r_s[e_slot[hq]] == hs -> hc = 1 :: else fi }
+  if :: hc == 0 -> e_exp[hs] = 0 :: else fi
+}
+
+inline pick_queued(i) {
+  if
+  :: msg[1] == QUEUED -> i = 1
+  :: msg[2] == QUEUED -> i = 2
+#if NREQ >= 3
+  :: msg[3] == QUEUED -> i = 3
+#endif
+#if NREQ >= 4
+  :: msg[4] == QUEUED -> i = 4
+#endif
+#if NREQ >= 5
+  :: msg[5] == QUEUED -> i = 5
+#endif
+  fi
+}
+
+/* take -> [crash] -> apply -> [crash] -> settle -> [crash] -> ack. A crash leaves the
+ * message in unacked (the broker restores it after VT). Settle and ack run as one step
+ * (the coalesced path's pipeline) unless the worker crashes between them (the task path):
+ * a live worker between the two is observably the same as a crashed one whose message is
+ * still unacked, so that state is not explored twice. CRASHES bounds the crashes of a run. */
+#ifdef CRASHES
+#define CAN_CRASH (crashes < CRASHES)
+#define COUNT_CRASH crashes++
+#else
+#define CAN_CRASH true   /* unbounded: a counter would only split equal states */
+#define COUNT_CRASH skip
+#endif
+proctype worker(byte w) {
+  byte i;
+end_idle:
+  do
+  :: atomic { pick_queued(i); msg[i] = UNACKED; wcur[w] = i; printf("t%d worker %d takes #%d\n", now, w, i) };
+     if
+     :: d_step {
+          /* a staged save's value is read from V (0: missing); a plain save's is in its
+           * message. (Read and store write are one step here: with broker != store they
+           * are two, but nothing between them changes the outcome: V[s, req] can only go
+           * with the request's own settle or the broker's data, as if just before the read.) */
+          if
+          :: r_op[i] == SAVE && r_stg[i] -> hv = (v_on[KSV(i)] -> v_slot[KSV(i)] : 0)
+          :: else -> hv = i
+          fi;
+          apply(i, hv)
+        };
+        if
+        :: d_step {                                        /* settle + ack */
+             settle(i);
+             if :: msg[i] == UNACKED -> msg[i] = ACKED :: else fi;
+             printf("t%d worker %d acks #%d\n", now, w, i);
+             wcur[w] = 0; i = 0
+           }
+        :: d_step {                                        /* crash after the store write */
+             CAN_CRASH; COUNT_CRASH;
+             printf("t%d worker %d crashes holding #%d\n", now, w, i); wcur[w] = 0; i = 0
+           }
+        :: d_step {                                        /* crash between settle and ack */
+             CAN_CRASH; COUNT_CRASH; settle(i);
+             printf("t%d worker %d crashes holding #%d\n", now, w, i); wcur[w] = 0; i = 0
+           }
+        fi
+     :: d_step {                                           /* crash before the store write */
+          CAN_CRASH; COUNT_CRASH;
+          printf("t%d worker %d crashes holding #%d\n", now, w, i); wcur[w] = 0; i = 0
+        }
+     fi
+  od
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* The environment: the broker's redelivery and data loss; the clock and expiries.       */
+
+/* Redelivery: an unacked message goes back to the queue. VT is not modelled as a number:
+ * a message may come back at any moment (even while a slow worker still holds it), which
+ * includes every real VT. Loss: the queue, unacked, E, V and the index go; the epoch
+ * changes. A request lost before it was applied is exempt from (a) and (c). */
+#if NW == 1
+/* one worker: a copy restored while it still holds the message could only be taken after
+ * it finishes, as after a crash between settle and ack: leave that path to the crash */
+#define NOT_HELD(i) (wcur[0] != i)
+#else
+#define NOT_HELD(i) true
+#endif
+/* (a loss of an empty broker changes nothing but the epoch: not explored) */
+#define HOLDS(i) ((i) <= NREQ && (msg[i] == QUEUED || msg[i] == UNACKED || e_on[i] || v_on[i]))
+#define BROKER_HOLDS_SOMETHING (HOLDS(1) || HOLDS(2) || HOLDS(3) || HOLDS(4) || HOLDS(5))
+active proctype broker() {
+end_broker:
+  do
+  :: d_step {
+       if
+       :: msg[1] == UNACKED && NOT_HELD(1) -> msg[1] = QUEUED; printf("t%d broker redelivers #1\n", now)
+       :: msg[2] == UNACKED && NOT_HELD(2) -> msg[2] = QUEUED; printf("t%d broker redelivers #2\n", now)
+#if NREQ >= 3
+       :: msg[3] == UNACKED && NOT_HELD(3) -> msg[3] = QUEUED; printf("t%d broker redelivers #3\n", now)
+#endif
+#if NREQ >= 4
+       :: msg[4] == UNACKED && NOT_HELD(4) -> msg[4] = QUEUED; printf("t%d broker redelivers #4\n", now)
+#endif
+#if NREQ >= 5
+       :: msg[5] == UNACKED && NOT_HELD(5) -> msg[5] = QUEUED; printf("t%d broker redelivers #5\n", now)
+#endif
+       fi
+     }
+  :: losses < LOSSES && BROKER_HOLDS_SOMETHING ->
+     d_step {
+       losses++;
+       printf("t%d BROKER LOSES ITS DATA (epoch changes)\n", now);
+       for (hq : 1 .. NREQ) {
+         if
+         :: msg[hq] == QUEUED || msg[hq] == UNACKED ->
+            msg[hq] = LOST; if :: !hit[hq] -> exempt[hq] = 1 :: else fi
+         :: else
+         fi;
+         e_on[hq] = 0; e_slot[hq] = 0; v_on[hq] = 0; v_slot[hq] = 0; v_dl[hq] = 0
+       }
+       for (hq : 1 .. NS) { e_exp[hq] = 0 }
+       hq = 0     /* (a d_step must not end in a loop: Spin 6.5 loses the exit label) */
+     }
+  od
+}
+
+/* Time: a tick; then every expiry due: E[s] (at its max deadline), staged values (at
+ * their request's deadline), the store's values (the sweep; invisible from their
+ * deadline anyway), fences and tombstones. */
+active proctype clock() {
+end_clock:
+  do
+  :: now < TMAX ->
+     d_step {
+       now++;
+       printf("tick -> t%d\n", now);
+       for (hs : 1 .. NS) {
+         if
+         :: e_exp[hs] != 0 && e_exp[hs] <= now ->
+            for (hq : 1 .. NREQ) {
+              if :: e_on[hq] && r_s[e_slot[hq]] == hs -> e_on[hq] = 0; e_slot[hq] = 0 :: else fi
+            }
+            e_exp[hs] = 0
+         :: else
+         fi;
+         if :: val[hs] != 0 && val_dl[hs] <= now -> val[hs] = 0; val_dl[hs] = 0 :: else fi;
+         if :: f_key[hs] != 0 && f_exp[hs] <= now -> f_key[hs] = 0; f_lap[hs] = 0; f_exp[hs] = 0 :: else fi
+       }
+       for (hq : 1 .. NREQ) {
+         if :: v_on[hq] && v_dl[hq] <= now -> v_on[hq] = 0; v_slot[hq] = 0; v_dl[hq] = 0 :: else fi
+       }
+       hq = 0
+     }
+  od
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* The monitor: at every state, an atomic load of each session (load_pending.lua, broker
+ * and store one Redis), wait_durable of every accepted request, and at quiescence the
+ * final state (c). */
+active proctype monitor() {
+end_monitor:
+  do
+  :: d_step {
+       for (hm : 1 .. NS) {
+         /* an atomic load: broker_read then store_read in one step */
+         hk = 0; hc = 0;
+         for (hq : 1 .. NREQ) {
+           if
+           :: e_on[hq] && r_s[e_slot[hq]] == hm && r_key[e_slot[hq]] > hk ->
+              hk = r_key[e_slot[hq]]; ht = e_slot[hq]
+           :: else
+           fi
+         }
+         if
+         :: hk != 0 && r_op[ht] == SAVE && now < r_dl[ht] && v_on[KSV(ht)] -> hc = v_slot[KSV(ht)]
+         :: else -> hc = 0
+         fi;
+         if
+         :: hk <= f_key[hm] ->
+            hk = f_key[hm]; hc = ((val[hm] != 0 && now < val_dl[hm]) -> val[hm] : 0)
+         :: else
+         fi;
+         check_load(hm, hk, hc, now, 255, 0)
+       }
+       /* wait_durable(r) for every accepted request: applied iff fence.req == r.req (not
+        * lapsed); expired iff that fence is lapsed, or fence < r and now >= deadline(r);
+        * superseded iff fence > r; refused iff a refusal record (s, req); else pending. */
+       for (hw : 1 .. NREQ) {
+         if
+         :: st[hw] == ACCEPTED ->
+            hs = r_s[hw];
+            if
+            :: f_key[hs] != 0 && REQ_OF(f_key[hs]) == r_rq[hw] ->
+               if
+               :: !f_lap[hs] -> hok = applied[hw];
+                  if :: !hok -> printf("VIOLATION (d): wait_durable(#%d) says applied; it was not\n", hw) :: else fi;
+                  d_applied_true = hok; assert(d_applied_true)   /* (d) "applied" is true */
+               :: else
+               fi
+            :: else ->
+               if
+               :: f_key[hs] < r_key[hw] && now >= r_dl[hw] -> skip          /* expired */
+               :: f_key[hs] > r_key[hw] -> skip                              /* superseded */
+               :: else ->
+                  if
+                  :: rr[KSV(hw)] -> hok = refused[hw];
+                     if :: !hok -> printf("VIOLATION (d): wait_durable(#%d) says refused; it was not\n", hw) :: else fi;
+                     d_refused_true = hok; assert(d_refused_true)  /* (d) "refused" is true */
+                  :: else
+                  fi
+               fi
+            fi
+         :: else
+         fi
+       }
+       /* (c) once everything settled: nothing queued, unacked or held by a worker */
+       hquiet = true;
+       for (hq : 1 .. NREQ) {
+         if :: msg[hq] == QUEUED || msg[hq] == UNACKED -> hquiet = false :: else fi
+       }
+       for (hq : 0 .. NW - 1) { if :: wcur[hq] != 0 -> hquiet = false :: else fi }
+       if
+       :: hquiet ->
+          for (hm : 1 .. NS) {
+            /* T: the max-key accepted request not refused for its own producer's fault,
+             * lost ones only if they were applied anyway */
+            hk = 0; ht = 0;
+            for (hq : 1 .. NREQ) {
+              if
+              :: st[hq] == ACCEPTED && r_s[hq] == hm && !own[hq] && (!exempt[hq] || hit[hq]) &&
+                 r_key[hq] > hk -> hk = r_key[hq]; ht = hq
+              :: else
+              fi
+            }
+            hc = ((val[hm] != 0 && now < val_dl[hm]) -> val[hm] : 0);
+            /* value iff T is a save not past its deadline, and then T's value */
+            if
+            :: ht != 0 && r_op[ht] == SAVE && now < r_dl[ht] -> hok = (hc == ht)
+            :: else -> hok = (hc == 0)
+            fi;
+#ifdef STRICT_FENCE
+            /* stronger than the spec: the fence, while it lasts, names T itself */
+            if :: f_key[hm] != 0 && f_key[hm] != hk -> hok = false :: else fi;
+#endif
+            if :: !hok -> printf("VIOLATION (c): all settled, s%d serves value #%d; the last accepted request is #%d\n", hm, hc, ht) :: else fi;
+            c_final_state = hok; assert(c_final_state)   /* (c) the final state */
+          }
+       :: else
+       fi
+     }
+  od
+}
+
+init {
+  byte w;
+  atomic {
+    skew[P_OK] = 0; skew[P_FAST] = L / 2 + 1; skew[P_SLOW] = -TTL; skew[P_EVIL] = L / 2;
+    run producer(P_OK);
+#ifndef NO_FAST
+    run producer(P_FAST);
+#endif
+#ifndef NO_SLOW
+    run producer(P_SLOW);
+#endif
+#ifndef NO_EVIL
+    run producer(P_EVIL);
+#endif
+    for (w : 0 .. NW - 1) { run worker(w) }
+  }
+}
