@@ -34,7 +34,7 @@
 #define LOSSES 1        /* losses of the broker's data */
 #endif
 #define NS 2            /* sessions 1 .. NS */
-#define NP 4            /* producers (replicas) */
+#define NP 5            /* producers (replicas) */
 #define K 4             /* seq units per tick */
 #ifndef TTL
 #define TTL 3           /* session lifetime, ticks */
@@ -58,6 +58,7 @@
 #define P_FAST 1        /* clock ahead beyond L/2: every publish of its own is refused */
 #define P_SLOW 2        /* clock behind by TTL: its blind stamps are already lapsed */
 #define P_EVIL 3        /* clock ahead within L/2; sends bad input, reuses others' ids */
+#define P_AHEAD 4       /* clock ahead within L/2, a correct replica otherwise */
 #define FAST_FAULT(p) (skew[p] > L / 2)      /* its clock is ahead beyond the limit */
 #define SLOW_FAULT(p) (skew[p] <= -TTL)      /* its clock is a TTL behind or more */
 
@@ -95,10 +96,8 @@ bit exempt[NSL];        /* lost with the broker's data before it was applied */
  * (KSE/KSV below), so two requests sharing a key share one entry, as in Redis. */
 bit e_on[NSL];
 byte e_slot[NSL];       /* the request whose (seq, op) the entry holds */
-byte e_exp[NSS];        /* E[s] expires at this tick (max deadline of its entries) */
 bit v_on[NSL];
 byte v_slot[NSL];       /* whose value it is */
-byte v_dl[NSL];
 
 /* store: per session the fence (key, lapsed, expiry) and the value (whose, deadline);
  * refusal records keyed like staged values */
@@ -116,9 +115,8 @@ byte wcur[NW];
 /* producers mid-request; whether the fast one made its request (it makes one: all of them
  * are refused at publish) */
 bit mid[NP];
+byte used[NP];          /* requests made so far, per producer */
 byte crashes;
-bit fast_used;
-byte evil_used;
 
 #ifdef HIJACK_SAME_SESSION
 #define HIJACK_SAME true
@@ -190,6 +188,15 @@ inline store_read(s, sk, sc) {
   sc = ((val[s] != 0 && now < val_dl[s]) -> val[s] : 0)
 }
 
+/* Which requests the invariants protect: all, but with HIJACK_SAME_SESSION (exploring a
+ * faulty producer reusing an id on the victim's own session) not the reusing request
+ * itself, whose own fault loses or misreports it: (d) asks only that the victim be safe. */
+#ifdef HIJACK_SAME_SESSION
+#define PROTECTED(q) (r_rq[q] == q)
+#else
+#define PROTECTED(q) true
+#endif
+
 /* Whether request q counts as the answer of a load: accepted, not refused for its own
  * fault, not lost with the broker's data before it was applied. */
 #define COUNTS(q) (st[q] == ACCEPTED && !own[q] && (!exempt[q] || hit[q]))
@@ -209,7 +216,8 @@ inline check_load(s, ak, ac, at, mask, cmask) {
   fi;
   for (hw : 1 .. NREQ) {
     if
-    :: st[hw] == ACCEPTED && (mask & (1 << hw)) && r_s[hw] == s && !exempt[hw] && !own[hw] ->
+    :: st[hw] == ACCEPTED && (mask & (1 << hw)) && r_s[hw] == s && !exempt[hw] && !own[hw] &&
+       PROTECTED(hw) ->
        if
        :: ac != 0 -> hok = (r_key[ac] >= r_key[hw])
        :: else ->
@@ -260,29 +268,45 @@ inline say(i) {
 /* ------------------------------------------------------------------------------------ */
 /* Producers (tasks/producer/clock.py SeqClock, client.py, tasks/lua/publish.lua)        */
 
-/* What request a replica makes (one slot each time; NREQ slots in all):
+/* The cast: how many requests each replica makes (Q_*), NREQ = their sum. What each makes:
  *   P_OK    session 1 (and 2 with OK_TWO_SESSIONS): a save, a staged save or a delete;
  *           blind, or after a load of the session
- *   P_SLOW  session 1: a save or a delete; blind or after a load
- *   P_FAST  session 1: one blind save (its clock alone gets it refused at publish)
- *   P_EVIL  session 2: EVIL_MAX blind saves under the request id of an accepted request of
- *           session 1 (read from its pending record), staged or with a bad input
- *           (HIJACK_SAME_SESSION: on session 1 too) */
-#ifndef EVIL_MAX
-#define EVIL_MAX 1
+ *   P_AHEAD like P_OK (plain saves), with a clock ahead within the limit (L/2)
+ *   P_SLOW  session 1: a save or a delete, blind or after a load; clock a TTL behind
+ *   P_FAST  session 1: a blind save; clock ahead beyond the limit (refused at publish)
+ *   P_EVIL  session 2: a blind save under the request id of an accepted request of session 1
+ *           (read from its pending record), staged or with a bad input (HIJACK_SAME_SESSION:
+ *           on session 1 too); clock ahead within the limit */
+#ifndef Q_OK
+#define Q_OK 2
 #endif
+#ifndef Q_AHEAD
+#define Q_AHEAD 0
+#endif
+#ifndef Q_SLOW
+#define Q_SLOW 1
+#endif
+#ifndef Q_FAST
+#define Q_FAST 0
+#endif
+#ifndef Q_EVIL
+#define Q_EVIL 0
+#endif
+#if NREQ != Q_OK + Q_AHEAD + Q_SLOW + Q_FAST + Q_EVIL
+#error "NREQ must be Q_OK + Q_AHEAD + Q_SLOW + Q_FAST + Q_EVIL"
+#endif
+#define QUOTA(p) ((p == P_OK) -> Q_OK : ((p == P_AHEAD) -> Q_AHEAD : ((p == P_SLOW) -> Q_SLOW : \
+                  ((p == P_FAST) -> Q_FAST : Q_EVIL))))
 #define VICTIM(j, s) ((j) < NREQ && st[j] == ACCEPTED && r_p[j] != P_EVIL && (r_s[j] != s || HIJACK_SAME))
-#define ANY_VICTIM(s) (VICTIM(1, s) || VICTIM(2, s) || VICTIM(3, s))
+#define ANY_VICTIM(s) (VICTIM(1, s) || VICTIM(2, s) || VICTIM(3, s) || VICTIM(4, s))
 #ifdef HIJACK_SAME_SESSION
-#define EVIL_CAN (evil_used < EVIL_MAX && (ANY_VICTIM(1) || ANY_VICTIM(2)))
+#define EVIL_CAN (ANY_VICTIM(1) || ANY_VICTIM(2))
 #else
-#define EVIL_CAN (evil_used < EVIL_MAX && ANY_VICTIM(2))
+#define EVIL_CAN ANY_VICTIM(2)
 #endif
-#define CAN_REQUEST(p) (nreq < NREQ && \
-  (p == P_OK || p == P_SLOW || (p == P_FAST && !fast_used) || (p == P_EVIL && EVIL_CAN)))
-#define MAY_REQUEST(p) (nreq < NREQ && (p == P_OK || p == P_SLOW || \
-  (p == P_FAST && !fast_used) || (p == P_EVIL && evil_used < EVIL_MAX)))
-#define CAN_LOAD(p) (p == P_OK || p == P_SLOW)
+#define MAY_REQUEST(p) (used[p] < QUOTA(p))
+#define CAN_REQUEST(p) (MAY_REQUEST(p) && (p != P_EVIL || EVIL_CAN))
+#define CAN_LOAD(p) (p == P_OK || p == P_AHEAD || p == P_SLOW)
 
 inline choose_request(p, i) {
   r_p[i] = p; r_rq[i] = i;
@@ -293,11 +317,14 @@ inline choose_request(p, i) {
 #else
      r_s[i] = 1;
 #endif
+#ifdef OK_STAGED_ONLY
+     if :: r_op[i] = SAVE; r_stg[i] = 1 :: r_op[i] = DEL fi
+#else
      if :: r_op[i] = SAVE :: r_op[i] = SAVE; r_stg[i] = 1 :: r_op[i] = DEL fi
-  :: p == P_FAST -> r_s[i] = 1; r_op[i] = SAVE; fast_used = 1
-  :: p == P_SLOW -> r_s[i] = 1; if :: r_op[i] = SAVE :: r_op[i] = DEL fi
+#endif
+  :: p == P_FAST -> r_s[i] = 1; r_op[i] = SAVE
+  :: p == P_SLOW || p == P_AHEAD -> r_s[i] = 1; if :: r_op[i] = SAVE :: r_op[i] = DEL fi
   :: p == P_EVIL ->
-     evil_used++;
 #ifdef HIJACK_SAME_SESSION
      if :: ANY_VICTIM(1) -> r_s[i] = 1 :: ANY_VICTIM(2) -> r_s[i] = 2 fi;
 #else
@@ -308,9 +335,8 @@ inline choose_request(p, i) {
      if
      :: VICTIM(1, r_s[i]) -> r_rq[i] = r_rq[1]
      :: VICTIM(2, r_s[i]) -> r_rq[i] = r_rq[2]
-#if NREQ >= 4
      :: VICTIM(3, r_s[i]) -> r_rq[i] = r_rq[3]
-#endif
+     :: VICTIM(4, r_s[i]) -> r_rq[i] = r_rq[4]
      fi
   fi
 }
@@ -353,11 +379,10 @@ inline stamp_and_publish(p, i) {
      printf(" -> accepted\n");
      st[i] = ACCEPTED; msg[i] = QUEUED;
      hq = KSE(i); e_on[hq] = 1; e_slot[hq] = i;
-     /* E[s] expires at the max deadline of its entries (0 while E[s] is empty) */
-     if :: e_exp[hs] < r_dl[i] -> e_exp[hs] = r_dl[i] :: else fi;
+     /* E[s] expires at the max deadline of its entries (see the clock) */
      /* every save's value goes to V[s, req] (a staged save's message carries none) */
      if
-     :: r_op[i] == SAVE -> hq = KSV(i); v_on[hq] = 1; v_slot[hq] = i; v_dl[hq] = r_dl[i]
+     :: r_op[i] == SAVE -> hq = KSV(i); v_on[hq] = 1; v_slot[hq] = i
      :: else
      fi
   fi
@@ -379,7 +404,7 @@ proctype producer(byte p) {
 end_producer:
   do
   :: atomic {
-       CAN_REQUEST(p) -> nreq++; i = nreq; st[i] = RESERVED; mid[p] = 1;
+       CAN_REQUEST(p) -> nreq++; i = nreq; st[i] = RESERVED; mid[p] = 1; used[p]++;
        choose_request(p, i); s = r_s[i];
        if
        :: d_step { publish(p, i) }                  /* a blind write */
@@ -490,7 +515,7 @@ inline apply(i, vc) {
            /* 4. staged value missing: stale if the fence shows it applied, else lost */
            if
            :: hk == f_key[hs] -> printf(" -> stale (value gone, fence shows it)\n")
-           :: else -> dead_letter(i, 0)
+           :: else -> dead_letter(i, r_rq[i] != i)   /* "value lost"; its fault if it took another's id */
            fi
         :: else ->
            val[hs] = vc;
@@ -542,11 +567,7 @@ inline settle(i) {
 #else
   hq = KSE(i); e_on[hq] = 0; e_slot[hq] = 0;
 #endif
-  hq = KSV(i); v_on[hq] = 0; v_slot[hq] = 0; v_dl[hq] = 0;
-  /* an empty hash is no key: its expiry goes with it */
-  hc = 0;
-  for (hq : 1 .. NREQ) { if :: e_on[hq] && r_s[e_slot[hq]] == hs -> hc = 1 :: else fi }
-  if :: hc == 0 -> e_exp[hs] = 0 :: else fi
+  hq = KSV(i); v_on[hq] = 0; v_slot[hq] = 0
 }
 
 inline pick_queued(i) {
@@ -570,6 +591,15 @@ inline pick_queued(i) {
  * (the coalesced path's pipeline) unless the worker crashes between them (the task path):
  * a live worker between the two is observably the same as a crashed one whose message is
  * still unacked, so that state is not explored twice. CRASHES bounds the crashes of a run. */
+/* A crash: the message stays in unacked, and the broker restores it to the queue after VT.
+ * Nothing tells a message waiting in unacked from one waiting in the queue (loads do not
+ * read either; a loss takes both), so the crash puts it back at once: the wait for VT is
+ * any time it then spends queued. (With NW > 1 the broker also restores a message that a
+ * live worker still holds: a slow worker overtaken by VT.) */
+#define CRASH(w, i) \
+  printf("t%d worker %d crashes holding #%d (redelivered after VT)\n", now, w, i); \
+  if :: msg[i] == UNACKED -> msg[i] = QUEUED :: else fi; \
+  wcur[w] = 0; i = 0
 #ifdef CRASHES
 #define CAN_CRASH (crashes < CRASHES)
 #define COUNT_CRASH crashes++
@@ -603,16 +633,16 @@ end_idle:
            }
         :: d_step {                                        /* crash after the store write */
              CAN_CRASH; COUNT_CRASH;
-             printf("t%d worker %d crashes holding #%d\n", now, w, i); wcur[w] = 0; i = 0
+             CRASH(w, i)
            }
         :: d_step {                                        /* crash between settle and ack */
              CAN_CRASH; COUNT_CRASH; settle(i);
-             printf("t%d worker %d crashes holding #%d\n", now, w, i); wcur[w] = 0; i = 0
+             CRASH(w, i)
            }
         fi
      :: d_step {                                           /* crash before the store write */
           CAN_CRASH; COUNT_CRASH;
-          printf("t%d worker %d crashes holding #%d\n", now, w, i); wcur[w] = 0; i = 0
+          CRASH(w, i)
         }
      fi
   od
@@ -625,20 +655,16 @@ end_idle:
  * a message may come back at any moment (even while a slow worker still holds it), which
  * includes every real VT. Loss: the queue, unacked, E, V and the index go; the epoch
  * changes. A request lost before it was applied is exempt from (a) and (c). */
-#if NW == 1
-/* one worker: a copy restored while it still holds the message could only be taken after
- * it finishes, as after a crash between settle and ack: leave that path to the crash */
-#define NOT_HELD(i) (wcur[0] != i)
-#else
+/* (a message a crashed worker left is restored by the crash itself, see CRASH) */
 #define NOT_HELD(i) true
-#endif
 /* (a loss of an empty broker changes nothing but the epoch: not explored) */
 #define HOLDS(i) ((i) <= NREQ && (msg[i] == QUEUED || msg[i] == UNACKED || e_on[i] || v_on[i]))
 #define BROKER_HOLDS_SOMETHING (HOLDS(1) || HOLDS(2) || HOLDS(3) || HOLDS(4) || HOLDS(5))
 active proctype broker() {
 end_broker:
   do
-  :: d_step {
+  :: NW > 1 ->
+     d_step {
        if
        :: msg[1] == UNACKED && NOT_HELD(1) -> msg[1] = QUEUED; printf("t%d broker redelivers #1\n", now)
        :: msg[2] == UNACKED && NOT_HELD(2) -> msg[2] = QUEUED; printf("t%d broker redelivers #2\n", now)
@@ -663,17 +689,18 @@ end_broker:
             msg[hq] = LOST; if :: !hit[hq] -> exempt[hq] = 1 :: else fi
          :: else
          fi;
-         e_on[hq] = 0; e_slot[hq] = 0; v_on[hq] = 0; v_slot[hq] = 0; v_dl[hq] = 0
+         e_on[hq] = 0; e_slot[hq] = 0; v_on[hq] = 0; v_slot[hq] = 0
        }
-       for (hq : 1 .. NS) { e_exp[hq] = 0 }
        hq = 0     /* (a d_step must not end in a loop: Spin 6.5 loses the exit label) */
      }
   od
 }
 
-/* Time: a tick; then every expiry due: E[s] (at its max deadline), staged values (at
- * their request's deadline), the store's values (the sweep; invisible from their
- * deadline anyway), fences and tombstones. */
+/* Time: a tick; then every expiry due: E[s] (at the max deadline of its entries: the
+ * hash's expiry is kept at that; were a settle not to shorten it, the entries past their
+ * deadlines it kept would answer as the store does, "absent"), values in V (at their
+ * request's deadline), the store's values (the sweep; invisible from their deadline
+ * anyway), fences and tombstones. */
 active proctype clock() {
 end_clock:
   do
@@ -682,19 +709,22 @@ end_clock:
        now++;
        printf("tick -> t%d\n", now);
        for (hs : 1 .. NS) {
+         hc = 0;
+         for (hq : 1 .. NREQ) {
+           if :: e_on[hq] && r_s[e_slot[hq]] == hs && r_dl[e_slot[hq]] > hc -> hc = r_dl[e_slot[hq]] :: else fi
+         }
          if
-         :: e_exp[hs] != 0 && e_exp[hs] <= now ->
+         :: hc != 0 && hc <= now ->
             for (hq : 1 .. NREQ) {
               if :: e_on[hq] && r_s[e_slot[hq]] == hs -> e_on[hq] = 0; e_slot[hq] = 0 :: else fi
             }
-            e_exp[hs] = 0
          :: else
          fi;
          if :: val[hs] != 0 && val_dl[hs] <= now -> val[hs] = 0; val_dl[hs] = 0 :: else fi;
          if :: f_key[hs] != 0 && f_exp[hs] <= now -> f_key[hs] = 0; f_lap[hs] = 0; f_exp[hs] = 0 :: else fi
        }
        for (hq : 1 .. NREQ) {
-         if :: v_on[hq] && v_dl[hq] <= now -> v_on[hq] = 0; v_slot[hq] = 0; v_dl[hq] = 0 :: else fi
+         if :: v_on[hq] && r_dl[v_slot[hq]] <= now -> v_on[hq] = 0; v_slot[hq] = 0 :: else fi
        }
        hq = 0
      }
@@ -735,7 +765,7 @@ end_monitor:
         * superseded iff fence > r; refused iff a refusal record (s, req); else pending. */
        for (hw : 1 .. NREQ) {
          if
-         :: st[hw] == ACCEPTED ->
+         :: st[hw] == ACCEPTED && PROTECTED(hw) ->
             hs = r_s[hw];
             if
             :: f_key[hs] != 0 && REQ_OF(f_key[hs]) == r_rq[hw] ->
@@ -803,16 +833,12 @@ init {
   byte w;
   atomic {
     skew[P_OK] = 0; skew[P_FAST] = L / 2 + 1; skew[P_SLOW] = -TTL; skew[P_EVIL] = L / 2;
-    run producer(P_OK);
-#ifndef NO_FAST
-    run producer(P_FAST);
-#endif
-#ifndef NO_SLOW
-    run producer(P_SLOW);
-#endif
-#ifndef NO_EVIL
-    run producer(P_EVIL);
-#endif
+    skew[P_AHEAD] = L / 2;
+    if :: Q_OK > 0 -> run producer(P_OK) :: else fi;
+    if :: Q_AHEAD > 0 -> run producer(P_AHEAD) :: else fi;
+    if :: Q_SLOW > 0 -> run producer(P_SLOW) :: else fi;
+    if :: Q_FAST > 0 -> run producer(P_FAST) :: else fi;
+    if :: Q_EVIL > 0 -> run producer(P_EVIL) :: else fi;
     for (w : 0 .. NW - 1) { run worker(w) }
   }
 }
