@@ -18,7 +18,22 @@
  *   NO_LIFETIME              no lapse: a save applies whatever its age, TTL from the apply
  *   GLOBAL_IDS               staged values and refusal records keyed by request id only
  *   STORE_FIRST_LOAD         a two-step load reads the store first, then the broker
- * Scope knobs: NREQ, NW, TMAX, LOSSES, HIJACK_SAME_SESSION (README.md, "Long mode").
+ *   LOAD_DEADLINE_AT_BROKER_READ  a pending save's deadline judged at the broker read
+ *   (with PROCESS_FLOOR and OK_TWO_SESSIONS for hole 1)
+ * Scope knobs: NREQ and the cast Q_OK, Q_AHEAD, Q_SLOW, Q_FAST, Q_EVIL; OK_STAGED_ONLY,
+ * OK_TWO_SESSIONS, TTL, TMAX, NW, LOSSES, CRASHES (README.md, "Scope"). Explorations beyond
+ * the spec: HIJACK_SAME_SESSION, STRICT_FENCE (README.md, "Findings").
+ *
+ * Where each part is in the code:
+ *   producer stamps        tasks/producer/clock.py (SeqClock; v2: per-session floors only)
+ *   publish                tasks/lua/publish.lua (v2: the checks against the broker's clock)
+ *   loads                  tasks/lua/load_pending.lua, read_pending.lua; store/lua/load.lua;
+ *                          the clients' merge (tasks/producer/pending.py, clients/go)
+ *   worker                 tasks/checkpoints.py, worker/coalesce.py; the ahead check
+ *                          tasks/seq.py; the lifetime store/ordering.py (lapsed, deadline_ms)
+ *   store writes           store/lua/save.lua, store/lua/delete.lua (ARGV[5] '2': a lapse)
+ *   settle                 tasks/lua/settle.lua (v2: HDEL of the request's own entry)
+ *   wait_durable           tasks/producer/outcomes.py
  */
 
 #ifndef NREQ
