@@ -415,11 +415,12 @@ inline publish(p, i) {
 
 proctype producer(byte p) {
   byte i, s, bc, t0, mask, cmask, sc;
+  byte ph;   /* 0: idle; 1: the load read the broker; 2: it read the store, the write is next */
   short bk, sk;
 end_producer:
   do
   :: atomic {
-       CAN_REQUEST(p) -> nreq++; i = nreq; st[i] = RESERVED; mid[p] = 1; used[p]++;
+       ph == 0 && CAN_REQUEST(p) -> nreq++; i = nreq; st[i] = RESERVED; mid[p] = 1; used[p]++;
        choose_request(p, i); s = r_s[i];
        if
        :: d_step { publish(p, i) }                  /* a blind write */
@@ -434,42 +435,40 @@ end_producer:
               if :: COUNTS(hq) -> cmask = cmask | (1 << hq) :: else fi
             }
 #ifdef STORE_FIRST_LOAD
-            store_read(s, sk, sc)
+            store_read(s, sk, sc);
 #else
-            broker_read(s, bk, bc)
+            broker_read(s, bk, bc);
 #endif
+            ph = 1
           }
        fi
-     };
-     if
-     :: i == 0                                      /* published */
-     :: i != 0 ->
-        d_step {
+     }
+  :: d_step {
+       ph == 1;   /* (guards inside the d_steps: outside, each would be a state of its own) */
 #ifdef STORE_FIRST_LOAD
-          broker_read(s, bk, bc);
-          MERGE(bk, bc, sk, sc, now, t0, hk, hc, ht);
+       broker_read(s, bk, bc);
+       MERGE(bk, bc, sk, sc, now, t0, hk, hc, ht);
 #else
-          store_read(s, sk, sc);
-          MERGE(bk, bc, sk, sc, t0, now, hk, hc, ht);
+       store_read(s, sk, sc);
+       MERGE(bk, bc, sk, sc, t0, now, hk, hc, ht);
 #endif
-          printf("t%d P%d load s%d (started t%d) -> seq %d ", now, p, s, t0, SEQ_OF(hk));
-          if :: hk == 0 -> printf("(nothing)") :: hk % (2 * R) >= R -> printf("delete") :: else -> printf("save") fi;
-          printf(" req %d value #%d\n", REQ_OF(hk), hc);
-          check_load(s, hk, hc, ht, mask, cmask);
-          /* adopt the loaded key: F_p[s] = max(F_p[s], seq) */
-          if
-          :: hk != 0 && SEQ_OF(hk) > F[p * NSS + s] ->
+       printf("t%d P%d load s%d (started t%d) -> seq %d ", now, p, s, t0, SEQ_OF(hk));
+       if :: hk == 0 -> printf("(nothing)") :: hk % (2 * R) >= R -> printf("delete") :: else -> printf("save") fi;
+       printf(" req %d value #%d\n", REQ_OF(hk), hc);
+       check_load(s, hk, hc, ht, mask, cmask);
+       /* adopt the loaded key: F_p[s] = max(F_p[s], seq) */
+       if
+       :: hk != 0 && SEQ_OF(hk) > F[p * NSS + s] ->
 #ifdef PROCESS_FLOOR
-             for (hq : 1 .. NS) { F[p * NSS + hq] = SEQ_OF(hk) }
+          for (hq : 1 .. NS) { F[p * NSS + hq] = SEQ_OF(hk) }
 #else
-             F[p * NSS + s] = SEQ_OF(hk)
+          F[p * NSS + s] = SEQ_OF(hk)
 #endif
-          :: else
-          fi;
-          bk = 0; bc = 0; sk = 0; sc = 0; t0 = 0; mask = 0; cmask = 0
-        };
-        d_step { publish(p, i) }                    /* the write made from that load */
-     fi
+       :: else
+       fi;
+       bk = 0; bc = 0; sk = 0; sc = 0; t0 = 0; mask = 0; cmask = 0; ph = 2
+     }
+  :: d_step { ph == 2; publish(p, i); ph = 0 }     /* the write made from that load */
   od
   /* no `break`: a producer with nothing left to do blocks at the top of its loop (a valid
    * end state), rather than doubling the states with "ended or not yet" */
@@ -666,36 +665,34 @@ end_idle:
 /* ------------------------------------------------------------------------------------ */
 /* The environment: the broker's redelivery and data loss; the clock and expiries.       */
 
-/* Redelivery: an unacked message goes back to the queue. VT is not modelled as a number:
- * a message may come back at any moment (even while a slow worker still holds it), which
- * includes every real VT. Loss: the queue, unacked, E, V and the index go; the epoch
- * changes. A request lost before it was applied is exempt from (a) and (c). */
-/* (a message a crashed worker left is restored by the crash itself, see CRASH) */
-#define NOT_HELD(i) true
-/* (a loss of an empty broker changes nothing but the epoch: not explored) */
+/* Redelivery: a crashed worker's message is restored by the crash itself (see CRASH); with
+ * NW > 1 the broker may also restore a message a live worker still holds (a slow worker
+ * overtaken by VT), at any moment, which includes every real VT. Loss: the queue, unacked,
+ * E, V and the index go; the epoch changes. A request lost before it was applied is exempt
+ * from (a) and (c). (A loss of an empty broker changes nothing but the epoch: not explored.) */
 #define HOLDS(i) ((i) <= NREQ && (msg[i] == QUEUED || msg[i] == UNACKED || e_on[i] || v_on[i]))
 #define BROKER_HOLDS_SOMETHING (HOLDS(1) || HOLDS(2) || HOLDS(3) || HOLDS(4) || HOLDS(5))
 active proctype broker() {
 end_broker:
   do
-  :: NW > 1 ->
-     d_step {
+  :: d_step {
+       NW > 1;
        if
-       :: msg[1] == UNACKED && NOT_HELD(1) -> msg[1] = QUEUED; printf("t%d broker redelivers #1\n", now)
-       :: msg[2] == UNACKED && NOT_HELD(2) -> msg[2] = QUEUED; printf("t%d broker redelivers #2\n", now)
+       :: msg[1] == UNACKED -> msg[1] = QUEUED; printf("t%d broker redelivers #1\n", now)
+       :: msg[2] == UNACKED -> msg[2] = QUEUED; printf("t%d broker redelivers #2\n", now)
 #if NREQ >= 3
-       :: msg[3] == UNACKED && NOT_HELD(3) -> msg[3] = QUEUED; printf("t%d broker redelivers #3\n", now)
+       :: msg[3] == UNACKED -> msg[3] = QUEUED; printf("t%d broker redelivers #3\n", now)
 #endif
 #if NREQ >= 4
-       :: msg[4] == UNACKED && NOT_HELD(4) -> msg[4] = QUEUED; printf("t%d broker redelivers #4\n", now)
+       :: msg[4] == UNACKED -> msg[4] = QUEUED; printf("t%d broker redelivers #4\n", now)
 #endif
 #if NREQ >= 5
-       :: msg[5] == UNACKED && NOT_HELD(5) -> msg[5] = QUEUED; printf("t%d broker redelivers #5\n", now)
+       :: msg[5] == UNACKED -> msg[5] = QUEUED; printf("t%d broker redelivers #5\n", now)
 #endif
        fi
      }
-  :: losses < LOSSES && BROKER_HOLDS_SOMETHING ->
-     d_step {
+  :: d_step {
+       losses < LOSSES && BROKER_HOLDS_SOMETHING;
        losses++;
        printf("t%d BROKER LOSES ITS DATA (epoch changes)\n", now);
        for (hq : 1 .. NREQ) {
@@ -719,8 +716,8 @@ end_broker:
 active proctype clock() {
 end_clock:
   do
-  :: now < TMAX ->
-     d_step {
+  :: d_step {
+       now < TMAX;    /* (a guard inside the d_step: outside it, it is a state of its own) */
        now++;
        printf("tick -> t%d\n", now);
        for (hs : 1 .. NS) {
