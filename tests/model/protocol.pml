@@ -670,13 +670,14 @@ end_idle:
  * overtaken by VT), at any moment, which includes every real VT. Loss: the queue, unacked,
  * E, V and the index go; the epoch changes. A request lost before it was applied is exempt
  * from (a) and (c). (A loss of an empty broker changes nothing but the epoch: not explored.) */
+#define UNACKED_(i) ((i) <= NREQ && msg[i] == UNACKED)
 #define HOLDS(i) ((i) <= NREQ && (msg[i] == QUEUED || msg[i] == UNACKED || e_on[i] || v_on[i]))
 #define BROKER_HOLDS_SOMETHING (HOLDS(1) || HOLDS(2) || HOLDS(3) || HOLDS(4) || HOLDS(5))
 active proctype broker() {
 end_broker:
   do
   :: d_step {
-       NW > 1;
+       NW > 1 && (UNACKED_(1) || UNACKED_(2) || UNACKED_(3) || UNACKED_(4) || UNACKED_(5));
        if
        :: msg[1] == UNACKED -> msg[1] = QUEUED; printf("t%d broker redelivers #1\n", now)
        :: msg[2] == UNACKED -> msg[2] = QUEUED; printf("t%d broker redelivers #2\n", now)
