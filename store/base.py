@@ -318,6 +318,13 @@ class CheckpointStore(abc.ABC):
         checkpoint = self.load(session_id)
         return checkpoint, self.fence(session_id)
 
+    def load_at(self, session_id: str) -> tuple[Checkpoint | None, Fence | None, int]:
+        """``load_with_fence``, and the store's time at the read (ms): what a producer
+        judges a pending save's deadline by when it merges it (``PendingRecords.load``).
+        Stores whose server keeps time override this to give the server's."""
+        checkpoint, fence = self.load_with_fence(session_id)
+        return checkpoint, fence, int(self.clock() * 1000)
+
     def request_outcome(
         self, session_id: str, request_id: str
     ) -> tuple[Fence | None, Refusal | None]:

@@ -523,12 +523,19 @@ class RedisStore(CheckpointStore):
 
     def load_with_fence(self, session_id: str) -> tuple[Checkpoint | None, Fence | None]:
         """One script call (load.lua): the value and the fence, read atomically."""
+        checkpoint, fence, _ = self.load_at(session_id)
+        return checkpoint, fence
+
+    def load_at(self, session_id: str) -> tuple[Checkpoint | None, Fence | None, int]:
+        """``load_with_fence``, and the server's time at the read (ms; load.lua's)."""
         self.check_session_id(session_id)
         keys = self.keys.session(session_id)
         with _store_errors(f"load {session_id!r}"):
-            stored, *fence = self.scripts.load(keys=[keys.data, keys.fence], args=[])
+            stored, seq, deleted, req, deadline, now = self.scripts.load(
+                keys=[keys.data, keys.fence], args=[]
+            )
         checkpoint = None if stored is None else self._decode(session_id, stored)
-        return checkpoint, self.fence_from_reply(*fence)
+        return checkpoint, self.fence_from_reply(seq, deleted, req, deadline), int(now)
 
     def fence(self, session_id: str) -> Fence | None:
         self.check_session_id(session_id)

@@ -447,6 +447,7 @@ func (c *Client[C]) readSession(ctx context.Context, sessionID string) (sessionR
 	storeKeys := []string{c.keys.data(sessionID), c.keys.fence(sessionID)}
 	args := []interface{}{"one", c.keys.pendingValuePrefix(sessionID), c.cfg.SessionTTL.Milliseconds()}
 	var items, stored []interface{}
+	lapseAt := int64(-1) // the store read's time (ms), when it was a call of its own
 	if c.oneRedis {
 		args[0] = "store"
 		reply, err := c.cfg.Store.Eval(ctx, readPendingScript, append(entries, storeKeys...), args...)
@@ -469,8 +470,13 @@ func (c *Client[C]) readSession(ctx context.Context, sessionID string) (sessionR
 		if reply, err = c.cfg.Store.Eval(ctx, loadScript, storeKeys); err != nil {
 			return sessionRead{}, c.readError(op, err)
 		}
-		if stored, err = replyList(reply, 5); err != nil {
+		if stored, err = replyList(reply, 6); err != nil {
 			return sessionRead{}, fmt.Errorf("%w: load %q: %v", ErrStoreUnavailable, sessionID, err)
+		}
+		// A save alive at the broker read may be past its deadline by the store read, and a
+		// fence ordered after it may have expired in between: judge it by the store's time.
+		if storeNow, found, err := replyInt(stored[5]); err == nil && found {
+			lapseAt = storeNow
 		}
 	}
 	epoch, err := replyText(items[4])
@@ -487,7 +493,11 @@ func (c *Client[C]) readSession(ctx context.Context, sessionID string) (sessionR
 	}
 	// The scripts send the value of whichever answers, the entry's or the store's.
 	if read.record, err = parseHead(items[0], items[1], items[2]); err == nil && read.record.wins(read.fence) {
-		read.record, err = parseRecord(items[:4])
+		if !read.record.deleted && !read.record.lapsed && lapseAt >= 0 && c.deadlinePassed(read.record.seq, lapseAt) {
+			read.record.lapsed = true
+		} else {
+			read.record, err = parseRecord(items[:4])
+		}
 	}
 	if err != nil {
 		return sessionRead{}, fmt.Errorf("%w: the pending entries of %q: %v", ErrCorrupt, sessionID, err)

@@ -189,9 +189,11 @@ func (c *Client[C]) lapsed(h Handle) bool {
 // SessionTTL) by this producer's clock, less TombstoneTTL for clocks that disagree: it
 // can no longer apply, whatever the fence says. A counter seq has no deadline.
 func (c *Client[C]) pastDeadline(seq int64) bool {
-	if seq < seqTimeFloor {
-		return false
-	}
-	deadline := seq/1000 + c.cfg.SessionTTL.Milliseconds()
-	return deadline <= c.cfg.Now().UnixMilli()-c.cfg.TombstoneTTL.Milliseconds()
+	return c.deadlinePassed(seq, c.cfg.Now().UnixMilli()-c.cfg.TombstoneTTL.Milliseconds())
+}
+
+// deadlinePassed says whether a request stamped seq is past its deadline (seq + SessionTTL)
+// at nowMs. A counter seq has no deadline.
+func (c *Client[C]) deadlinePassed(seq, nowMs int64) bool {
+	return seq >= seqTimeFloor && seq/1000+c.cfg.SessionTTL.Milliseconds() <= nowMs
 }

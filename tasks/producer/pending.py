@@ -35,7 +35,7 @@ from checkpointq.store import redis_hooks
 from checkpointq.store.base import CheckpointStore, Fence
 from checkpointq.store.keys import KeySpace
 from checkpointq.store.model import Checkpoint
-from checkpointq.store.ordering import OrderKey, order_key
+from checkpointq.store.ordering import OrderKey, lapsed, order_key
 from checkpointq.store.redis import RedisStore
 from checkpointq.store.scripts import script_source
 from checkpointq.tasks.errors import BrokerUnavailable, SeqRefused, redis_unavailable
@@ -116,9 +116,12 @@ def _text(value: bytes | None) -> str:
 _Fields = tuple[bytes | None, bytes | None, bytes | None, bytes | None]
 
 
-def _answering(fields: _Fields, fence: Fence | None) -> PendingRecord | None:
+def _answering(
+    fields: _Fields, fence: Fence | None, ttl_ms: int = 0, now_ms: int | None = None
+) -> PendingRecord | None:
     """The newest pending request if it answers a load, ordered after ``fence``; read whole
-    only then (a save whose value is gone fails the load only when it would answer it).
+    only then (a save whose value is gone fails the load only when it would answer it). A
+    save past its deadline at ``now_ms`` (the store read's time) answers as lapsed.
 
     Raises:
         BrokerUnavailable: as ``parse_record``.
@@ -127,7 +130,11 @@ def _answering(fields: _Fields, fence: Fence | None) -> PendingRecord | None:
     if seq is None:
         return None
     head = PendingRecord(int(seq), op == DELETE_OP.encode(), _text(req))
-    return parse_record(seq, op, req, value) if head.wins(fence) else None
+    if not head.wins(fence):
+        return None
+    if op == SAVE_OP.encode() and now_ms is not None and lapsed(head.seq, ttl_ms, now_ms):
+        return PendingRecord(head.seq, False, head.request_id, lapsed=True)
+    return parse_record(seq, op, req, value)
 
 
 def parse_record(
@@ -330,10 +337,13 @@ class PendingRecords:
         store.check_session_id(session_id)
         if self._read_with_store is None:
             fields = self._read_one(session_id)  # first: an entry is gone only once applied
-            checkpoint, fence = store.load_with_fence(session_id)
+            checkpoint, fence, store_now_ms = store.load_at(session_id)
+            # A save alive at the broker read may be past its deadline by the store read,
+            # and a fence ordered after it may have expired in between: judge it now.
+            record = _answering(fields, fence, self.ttl_ms, store_now_ms)
         else:
             checkpoint, fence, fields = self._load_one_redis(session_id)
-        record = _answering(fields, fence)
+            record = _answering(fields, fence)  # one script: judged at its own time
         if record is None:
             return checkpoint, fence
         if record.deleted or record.lapsed:

@@ -95,11 +95,12 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[Call] = []
 
-    def __call__(self, sha: str, numkeys: int, *keys_and_args: Any) -> list[None]:
+    def __call__(self, sha: str, numkeys: int, *keys_and_args: Any) -> list[int | None]:
         keys, args = keys_and_args[:numkeys], keys_and_args[numkeys:]
         self.calls.append(Call(sha, [_wire(k) for k in keys], [_wire(a) for a in args]))
-        mode = args[0] if args else None
-        return [None] * {"store": 10, "heads": 3 * len(keys) // 2}.get(str(mode), 5)
+        if not args:  # load.lua: nothing stored, and the server's time
+            return [None, None, None, None, None, 0]
+        return [None] * {"store": 10, "heads": 3 * len(keys) // 2}.get(str(args[0]), 5)
 
 
 def _recording_client(port: int, monkeypatch: pytest.MonkeyPatch) -> tuple[redis.Redis, Recorder]:

@@ -22,6 +22,7 @@ from checkpointq.tasks.producer.pending import (
     EpochWatch,
     RecordWrite,
     Settlement,
+    _answering,
     settle_command,
     settle_source,
 )
@@ -372,3 +373,17 @@ def test_publish_refuses_a_request_id_pending_in_its_session_as_another_request(
     assert redis_client.get(KEYS.pending_value("s", handle.task_id)) == value
     # And the same id in another session is another session's business
     records.push(QUEUE, b"message", [RecordWrite("t", handle.seq + 1, DELETE_OP, handle.task_id)])
+
+
+def test_a_pending_save_is_judged_by_the_store_reads_time() -> None:
+    # Given a pending save's entry, read from a broker of its own (alive then)
+    seq = 1_800_000_000_000_000
+    fields = (str(seq).encode(), b"save", b"req", b"value")
+    ttl_ms = 60_000
+    # When the store read comes before its deadline, it answers with its value
+    live = _answering(fields, None, ttl_ms, seq // 1000 + ttl_ms - 1)
+    assert live is not None and live.value == b"value" and not live.lapsed
+    # But when the store read comes at or after its deadline (a newer fence may have expired
+    # in between), it answers as lapsed: absent, never its value (the model's finding 1)
+    late = _answering(fields, None, ttl_ms, seq // 1000 + ttl_ms)
+    assert late is not None and late.lapsed and late.as_fence().lapsed
