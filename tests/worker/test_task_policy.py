@@ -232,10 +232,15 @@ def test_sweep_announces_each_expired_session_and_skips_while_locked(
     assert redis.exists(keys.sweep_lock()) == 0
 
 
-def test_client_seqs_strictly_increase_within_a_process() -> None:
+def test_client_seqs_strictly_increase_per_session_and_no_session_raises_another() -> None:
     clock = SeqClock()
-    seqs = [clock.next() for _ in range(1000)]
+    seqs = [clock.next("s") for _ in range(1000)]
     assert seqs == sorted(set(seqs))
+    # A fence read for one session (an hour ahead) raises that session's stamps only
+    ahead = seqs[-1] + 3_600_000_000
+    clock.observe("s", ahead)
+    assert clock.next("s") == ahead + 1
+    assert clock.next("t") < ahead
 
 
 def test_celery_config_is_json_only_late_ack_and_fits_the_visibility_timeout() -> None:
