@@ -29,7 +29,7 @@ from checkpointq.store.errors import (
     InvalidInput,
 )
 from checkpointq.store.model import Checkpoint, display_id, validate_session_id
-from checkpointq.store.ordering import OrderKey, deadline_ms, lapsed, order_key
+from checkpointq.store.ordering import SEQ_TIME_FLOOR, OrderKey, deadline_ms, order_key
 from checkpointq.store.reconcile import ReconcileReport
 from checkpointq.store.serde import deserialize_checkpoint, serialize_checkpoint
 
@@ -268,6 +268,9 @@ class CheckpointStore(abc.ABC):
     def __init__(self, options: StoreOptions | None = None, clock: Clock = time.time) -> None:
         self.options = options or StoreOptions()
         self.clock = clock
+        #: The session TTL and the fences' margin in ms (read on every write: computed once).
+        self.ttl_ms = max(1, round(self.options.ttl_seconds * 1000))
+        self.tombstone_ms = max(1, round(self.options.tombstone_ttl_seconds * 1000))
         self.codec = ValueCodec(
             level=self.options.compression_level,
             max_decompressed=self.options.max_decompressed_bytes,
@@ -417,19 +420,9 @@ class CheckpointStore(abc.ABC):
     def resolve_seq(self, seq: int | None) -> int:
         return self.now_seq() if seq is None else validate_seq(seq)
 
-    @property
-    def ttl_ms(self) -> int:
-        """The session TTL in ms."""
-        return max(1, round(self.options.ttl_seconds * 1000))
-
-    @property
-    def tombstone_ms(self) -> int:
-        """The fence's margin past every deadline it guards, in ms."""
-        return max(1, round(self.options.tombstone_ttl_seconds * 1000))
-
     def lapsed(self, seq: int, now_ms: int) -> bool:
         """Whether a save stamped ``seq`` is past its deadline at ``now_ms`` (``ordering``)."""
-        return lapsed(seq, self.ttl_ms, now_ms)
+        return seq >= SEQ_TIME_FLOOR and seq // 1000 + self.ttl_ms <= now_ms
 
     def value_deadline_ms(self, seq: int, now_ms: int) -> int:
         """When a save stamped ``seq`` and applied at ``now_ms`` expires: its own deadline

@@ -88,9 +88,9 @@ def save_staged(task: Task, session_id: object, seq: object, trimmed: object = 0
         if staged.settled_before(rt.store, request):
             return {"outcome": "stale", "session_id": request.session_id, "seq": request.seq}
         raise staged.lost(request)
-    op = staged.save_op(rt.store, request, found.value, rt.max_message_bytes)
+    op = staged.save_op(rt.store, request, found[0], rt.max_message_bytes)
     # The value holds this session's checkpoint (save_op checked): its settle may delete it.
-    task.request.checkpointq_staged_legacy = found.legacy
+    task.request.checkpointq_staged_legacy = found[1]
     (result,) = rt.store.apply_batch([op])
     if isinstance(result, InvalidInput):
         raise result
@@ -247,14 +247,14 @@ def _as_sent(
         # Retried as any dead letter that could not be written: never one without its value.
         raise StoreUnavailable(f"could not read the staged value from the broker: {exc}") from exc
     checkpoint = None
-    if found is not None and len(found.value) <= limit:
-        checkpoint = staged.expanded(rt.store, request, found.value)
+    if found is not None and len(found[0]) <= limit:
+        checkpoint = staged.expanded(rt.store, request, found[0])
     if found is None or checkpoint is None:
         # Undecodable, oversize or another session's: it stays on the broker, for people to
         # look at, until its deadline (a value of the earlier layout is never deleted then).
         task.request.checkpointq_staged_keep = found is not None
         return task.name, args, kwargs
-    task.request.checkpointq_staged_legacy = found.legacy
+    task.request.checkpointq_staged_legacy = found[1]
     return SAVE, tuple(checkpoint), {"seq": seq}
 
 

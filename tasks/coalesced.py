@@ -131,10 +131,10 @@ def _resolve(rt: runtime.Runtime, parsed: list[_Parsed]) -> list[_Resolved]:
             resolved.append((position, lapse, args, kwargs, False))
         elif (found := next(values)) is not None:
             try:
-                save = staged.save_op(rt.store, request, found.value, limit)
+                save = staged.save_op(rt.store, request, found[0], limit)
             except InvalidInput:
                 continue
-            resolved.append((position, save, args, kwargs, found.legacy))
+            resolved.append((position, save, args, kwargs, found[1]))
     return resolved
 
 

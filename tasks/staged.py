@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import orjson
 
@@ -75,13 +75,11 @@ def request(session_id: object, seq: object, trimmed: object, request_id: str) -
     return StagedSave(sid, accepted, request_id, trimmed)
 
 
-class StagedValue(NamedTuple):
-    """A staged save's value as read from the broker (up to the byte limit asked for), and
-    whether it was found in the layout before issue 31, named by request id alone: then it
-    is this request's only if it holds this session's checkpoint (``save_op`` checks)."""
-
-    value: bytes
-    legacy: bool = False
+#: A staged save's value as read from the broker (up to the byte limit asked for), and
+#: whether it was found in the layout before issue 31, named by request id alone: then it is
+#: this request's only if it holds this session's checkpoint (``save_op`` checks). A plain
+#: tuple: one is built per staged save a worker applies.
+StagedValue = tuple[bytes, bool]
 
 
 def fetch(
@@ -103,12 +101,14 @@ def fetch(
     found = _read(
         settler, [keys.pending_value(r.session_id, r.request_id) for r in requests], max_bytes
     )
-    values = [None if value is None else StagedValue(value) for value in found]
+    values: list[StagedValue | None] = [
+        None if value is None else (value, False) for value in found
+    ]
     missing = [i for i, value in enumerate(values) if value is None]
     if missing:
         legacy = [keys.legacy_pending_value(requests[i].request_id) for i in missing]
         for i, value in zip(missing, _read(settler, legacy, max_bytes), strict=True):
-            values[i] = None if value is None else StagedValue(value, legacy=True)
+            values[i] = None if value is None else (value, True)
     return values
 
 
