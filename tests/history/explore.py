@@ -12,13 +12,14 @@ re-running each candidate on a clean world) and written to tests/history/regress
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -156,11 +157,20 @@ def variant_source(variant: str | None) -> str | None:
 _MAX_FINDINGS = 5
 
 
-def _quiet() -> None:
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
     """The workers' log lines (dead letters of hijacks and faulty producers, retries) would
-    drown the run's own report."""
-    logging.getLogger("checkpointq").setLevel(logging.ERROR)
-    logging.getLogger("celery").setLevel(logging.ERROR)
+    drown the run's own report; the levels are put back after, as tests that read the log
+    run later in the same process."""
+    loggers = [logging.getLogger(name) for name in ("checkpointq", "celery")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def explore(
@@ -173,7 +183,18 @@ def explore(
     progress: Callable[[Figures], None] | None = None,
 ) -> tuple[Figures, list[Finding]]:
     """Run random histories for ``seconds``; shrink each one that fails."""
-    _quiet()
+    with _quiet():
+        return _explore(running, seconds, first_seed, variant, stop_at_first, progress)
+
+
+def _explore(
+    running: Servers,
+    seconds: float,
+    first_seed: int,
+    variant: str | None,
+    stop_at_first: bool,
+    progress: Callable[[Figures], None] | None,
+) -> tuple[Figures, list[Finding]]:
     source = variant_source(variant)
     worlds = {flag: World(running, one_redis=flag, settle_source=source) for flag in (True, False)}
     figures, findings = Figures(), []
