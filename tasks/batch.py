@@ -149,11 +149,14 @@ def _settle_items(
     for position, (item, outcome) in enumerate(zip(items, outcomes, strict=True)):
         if outcome is None:
             continue
+        task, args, kwargs = _as_request(item)
         session_id = outcome.get("session_id")
         if session_id is None:  # dead-lettered: the item's own id, read as its request's
-            session_id = requested_session(*_as_request(item))
+            session_id = requested_session(task, args, kwargs)
         if isinstance(session_id, str) and session_id:
-            settled.append(Settlement(session_id, item_request_id(task_id, position)))
+            request_id = item_request_id(task_id, position)
+            seq = requested_seq(args, kwargs)
+            settled.append(Settlement(session_id, request_id, seq, deleted=task == DELETE))
     rt.pending.settle(settled)
 
 

@@ -317,6 +317,8 @@ def _settle_record(
             Settlement(
                 session_id,
                 request_id,
+                messages.requested_seq(args, kwargs),
+                deleted=name == messages.DELETE,
                 keep_value=getattr(request, "checkpointq_staged_keep", False),
                 legacy_staged=getattr(request, "checkpointq_staged_legacy", False),
             )

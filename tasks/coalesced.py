@@ -175,7 +175,11 @@ def apply_requests(requests: list[Request]) -> list[Settled | None]:
         outcome = batch.item_outcome(op, result)
         task, task_id = requests[position][:2]
         done[position] = Settlement(
-            str(outcome["session_id"]), task_id, legacy_staged=position in legacy
+            str(outcome["session_id"]),
+            task_id,
+            op.seq,
+            deleted=isinstance(op, DeleteOp),
+            legacy_staged=position in legacy,
         )
         _observe(task, task_id, outcome, op.seq, seconds)
         if arguments is not None:

@@ -438,12 +438,17 @@ class PendingRecords:
 class Settlement(NamedTuple):
     """A request the worker is done with (applied, superseded, lapsed or dead-lettered):
     its entry goes, and its value unless ``keep_value`` (a dead letter that could not take
-    it: the value stays on the broker, for people, until its deadline). ``legacy_staged``:
-    its staged value was found in the layout before issue 31
-    (``KeySpace.legacy_pending_value``), holding its own session's checkpoint."""
+    it: the value stays on the broker, for people, until its deadline). The entry is the
+    request's own only if it holds the request's stamp, ``seq`` and op (``deleted``): a
+    message carrying another request's id settles nothing of it; with no ``seq`` (none that
+    parses), no entry is its own. ``legacy_staged``: its staged value was found in the layout
+    before issue 31 (``KeySpace.legacy_pending_value``), holding its own session's
+    checkpoint."""
 
     session_id: str
     request_id: str
+    seq: int | None
+    deleted: bool = False
     keep_value: bool = False
     legacy_staged: bool = False
 
@@ -452,15 +457,17 @@ def settle_command(keys: KeySpace, settled: Sequence[Settlement]) -> tuple[list[
     """settle.lua's KEYS and ARGV for ``settled`` requests."""
     script_keys = [keys.pending_index()]
     args: list[Any] = []
-    values: list[str] = []
-    for session_id, request_id, keep_value, legacy_staged in settled:
-        script_keys += [keys.pending_requests(session_id), keys.pending(session_id)]
-        args += [session_id, request_id]
-        if not keep_value:
-            values.append(keys.pending_value(session_id, request_id))
-            if legacy_staged:
-                values.append(keys.legacy_pending_value(request_id))
-    return script_keys + values, args
+    for session_id, request_id, seq, deleted, keep_value, legacy_staged in settled:
+        script_keys += [
+            keys.pending_requests(session_id),
+            keys.pending(session_id),
+            keys.pending_value(session_id, request_id),
+            keys.legacy_pending_value(request_id),
+        ]
+        values = "0" if keep_value else "2" if legacy_staged else "1"
+        op = "delete" if deleted else "save"
+        args += [session_id, request_id, "" if seq is None else str(seq), op, values]
+    return script_keys, args
 
 
 def settle_source() -> str:

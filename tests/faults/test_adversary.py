@@ -184,7 +184,7 @@ def test_hole_3_a_save_restored_after_the_fleet_was_down_outlives_no_tombstone(
         assert gone.seq is not None
         assert client.store.delete("doomed", seq=gone.seq, request_id=gone.task_id)
         Settler(deployment.broker_client(), deployment.keys).settle(
-            [Settlement("doomed", gone.task_id)]
+            [Settlement("doomed", gone.task_id, gone.seq, deleted=True)]
         )
         time.sleep(12.0)  # the outage itself: longer than the 11 s margin
         # Then the save restored after the visibility timeout does not bring it back

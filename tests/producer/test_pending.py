@@ -295,7 +295,9 @@ def test_settling_removes_exactly_the_settled_requests_entry(redis_client: redis
     redis_client.hset(KEYS.pending("t"), mapping={"seq": 5, "op": "delete", "req": "old"})
     redis_client.zadd(KEYS.pending_index(), {"s": 2**50, "t": 2**50, "expired": 1})
     # When the save settles, and a request of "t" that is not the record's
-    keys, args = settle_command(KEYS, [Settlement("s", "save"), Settlement("t", "other")])
+    keys, args = settle_command(
+        KEYS, [Settlement("s", "save", 20), Settlement("t", "other", 5, True)]
+    )
     assert settle(keys=keys, args=args) == 1
     # Then the delete's entry stays (it is still on its way), the save's value is gone,
     # and "t"'s record stays; the expired index entry goes
@@ -304,10 +306,39 @@ def test_settling_removes_exactly_the_settled_requests_entry(redis_client: redis
     assert redis_client.hget(KEYS.pending("t"), "req") == b"old"
     assert redis_client.zrange(KEYS.pending_index(), 0, -1) == [b"s", b"t"]
     # And once the delete and "t"'s own request settle, nothing is left
-    keys, args = settle_command(KEYS, [Settlement("s", "del"), Settlement("t", "old")])
+    keys, args = settle_command(
+        KEYS, [Settlement("s", "del", 20, True), Settlement("t", "old", 5, True)]
+    )
     assert settle(keys=keys, args=args) == 2
     assert not redis_client.exists(KEYS.pending_requests("s"), KEYS.pending("t"))
     assert redis_client.zcard(KEYS.pending_index()) == 0
+
+
+def test_a_settle_that_carries_another_requests_id_settles_nothing_of_it(
+    redis_client: redis.Redis,
+) -> None:
+    # Given a pending save with its value, and a message of its own session that carries its
+    # request id with another stamp (a faulty producer's, which the worker dead-letters)
+    settle = redis_client.register_script(settle_source())
+    redis_client.hset(KEYS.pending_requests("s"), "victim", "20 save")
+    redis_client.set(KEYS.pending_value("s", "victim"), b"value")
+    redis_client.hset(KEYS.pending("s"), mapping={"seq": 20, "op": "save", "req": "victim"})
+    # When the worker settles that message: another seq, another op, or no seq that parses
+    for wrong in (Settlement("s", "victim", 21), Settlement("s", "victim", 20, True)):
+        keys, args = settle_command(KEYS, [wrong])
+        assert settle(keys=keys, args=args) == 0
+    keys, args = settle_command(KEYS, [Settlement("s", "victim", None)])
+    assert settle(keys=keys, args=args) == 0
+    # Then the victim's entry, its record and its value all stay, for its own message
+    assert redis_client.hgetall(KEYS.pending_requests("s")) == {b"victim": b"20 save"}
+    assert redis_client.get(KEYS.pending_value("s", "victim")) == b"value"
+    assert redis_client.hget(KEYS.pending("s"), "req") == b"victim"
+    # And its own settle takes all of them
+    keys, args = settle_command(KEYS, [Settlement("s", "victim", 20)])
+    assert settle(keys=keys, args=args) == 2
+    assert not redis_client.exists(
+        KEYS.pending_requests("s"), KEYS.pending_value("s", "victim"), KEYS.pending("s")
+    )
 
 
 def test_the_epoch_watch_counts_each_loss_once() -> None:

@@ -124,7 +124,7 @@ def test_settle_deletes_the_settled_requests_value_and_no_other(
         redis_client.hset(KEYS.pending_requests("s"), request, "2 save")
     settle = redis_client.register_script(settle_source())
     # When the newer request settles
-    keys, args = settle_command(KEYS, [Settlement("s", "newer")])
+    keys, args = settle_command(KEYS, [Settlement("s", "newer", 2)])
     assert settle(keys=keys, args=args) == 1
     # Then its value and its entry go; the older request's stay for its message
     assert not redis_client.exists(KEYS.pending_value("s", "newer"))

@@ -109,7 +109,7 @@ def test_pending_records_settled_with_lost_acks_are_settled_again_with_them(
     try:
         conn.drain_events(timeout=5)
         lost.lost_settle(received[0].delivery_tag, requeue=False)
-        lost.lost_records(*settle_command(keys, [Settlement("s", "request")]))
+        lost.lost_records(*settle_command(keys, [Settlement("s", "request", 5)]))
         # When the worker tries again, once the broker takes writes
         lost.retry(channel)
         # Then the ack, the record and the staged value are all done with

@@ -60,7 +60,7 @@ def test_staged_values_within_their_share_apply_in_one_group(
     # When a pool process applies the group
     done = coalesced.apply_requests(group)
     # Then each is applied, and reported for settling with its value
-    assert done == [Settlement(f"small-{n}", f"req-small-{n}") for n in range(4)]
+    assert done == [Settlement(f"small-{n}", f"req-small-{n}", SEQ) for n in range(4)]
     assert [store.load(f"small-{n}") is not None for n in range(4)] == [True] * 4
 
 
