@@ -181,10 +181,12 @@ def explore(
     variant: str | None = None,
     stop_at_first: bool = True,
     progress: Callable[[Figures], None] | None = None,
+    histories: int | None = None,
 ) -> tuple[Figures, list[Finding]]:
-    """Run random histories for ``seconds``; shrink each one that fails."""
+    """Run random histories for ``seconds`` (or ``histories`` of them, if fewer); shrink
+    each one that fails."""
     with _quiet():
-        return _explore(running, seconds, first_seed, variant, stop_at_first, progress)
+        return _explore(running, seconds, first_seed, variant, stop_at_first, progress, histories)
 
 
 def _explore(
@@ -194,13 +196,16 @@ def _explore(
     variant: str | None,
     stop_at_first: bool,
     progress: Callable[[Figures], None] | None,
+    histories: int | None,
 ) -> tuple[Figures, list[Finding]]:
     source = variant_source(variant)
     worlds = {flag: World(running, one_redis=flag, settle_source=source) for flag in (True, False)}
     figures, findings = Figures(), []
     started = time.monotonic()
     seed = first_seed
-    while time.monotonic() - started < seconds:
+    while time.monotonic() - started < seconds and (
+        histories is None or figures.histories < histories
+    ):
         one_redis = seed % 2 == 0
         world = worlds[one_redis]
         history = world.run(random_history(seed))

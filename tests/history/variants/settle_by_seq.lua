@@ -2,10 +2,11 @@
 -- A settled request removes every entry of its session whose seq is at or below its own,
 -- not only its own entry: settling a save then removes a delete stamped alike (hole 2).
 -- The history check must find that (test_histories.py). KEYS and ARGV as settle.lua's.
-local settled = #ARGV / 2
+local settled = #ARGV / 5
 for i = 1, settled do
-  local id, req = ARGV[2 * i - 1], ARGV[2 * i]
-  local entries, legacy = KEYS[2 * i], KEYS[2 * i + 1]
+  local a, k = 5 * (i - 1), 1 + 4 * (i - 1)
+  local id, req, values = ARGV[a + 1], ARGV[a + 2], ARGV[a + 5]
+  local entries, legacy = KEYS[k + 1], KEYS[k + 2]
   local own = redis.call('HGET', entries, req)
   if own then
     local seq = tonumber(string.match(own, '^(%d+)'))
@@ -19,8 +20,11 @@ for i = 1, settled do
   if redis.call('EXISTS', entries, legacy) == 0 then
     redis.call('ZREM', KEYS[1], id)
   end
-end
-for i = 2 + 2 * settled, #KEYS do
-  redis.call('DEL', KEYS[i])
+  if values ~= '0' then
+    redis.call('DEL', KEYS[k + 3])
+    if values == '2' then
+      redis.call('DEL', KEYS[k + 4])
+    end
+  end
 end
 return 0
