@@ -48,11 +48,19 @@ def broker_kind(url: str) -> BrokerKind:
 
 
 def is_known_transport(url: str) -> bool:
-    """Whether kombu has a transport for ``url``'s scheme (``http://`` has none)."""
-    from kombu.transport import TRANSPORT_ALIASES
+    """Whether kombu has a transport for ``url``'s scheme (``http://`` has none).
 
+    Our own schemes are answered without kombu: a producer installed without Celery (the
+    base install) publishes to Redis itself and never imports it.
+    """
     scheme = scheme_of(url)
-    return scheme in _SCHEMES or scheme in {alias.lower() for alias in TRANSPORT_ALIASES}
+    if scheme in _SCHEMES:
+        return True
+    try:
+        from kombu.transport import TRANSPORT_ALIASES
+    except ModuleNotFoundError:  # no kombu: only the schemes the producer writes to itself
+        return False
+    return scheme in {alias.lower() for alias in TRANSPORT_ALIASES}
 
 
 def transport_options(

@@ -21,10 +21,14 @@ from click.testing import CliRunner, Result
 
 from checkpointq.store import RedisStore
 from checkpointq.worker.cli import cli
+from tests.support.celery_processes import CeleryProcess, checkpointq_env
 from tests.support.servers import RedisServer
+from tests.support.workers import TEST_WORKER_SETTINGS
 
 #: Seconds a CLI subprocess may run before the test fails.
 COMMAND_TIMEOUT = 60
+#: The checkout the install tests build their wheel from.
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -115,3 +119,40 @@ def store(redis_server: RedisServer, redis_client: redis.Redis) -> Iterator[Redi
     opened = RedisStore.from_url(redis_server.url)
     yield opened
     opened.close()
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel built from this checkout, once per run (the install tests share it)."""
+    dist = tmp_path_factory.mktemp("dist")
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert built.returncode == 0, built.stderr
+    (found,) = dist.glob("checkpointq-*.whl")
+    return found
+
+
+@pytest.fixture(scope="module")
+def worker_settings(broker_server: RedisServer, store_server: RedisServer) -> dict[str, object]:
+    """The ``CHECKPOINTQ_*`` settings of the install tests' workers and producers."""
+    return {
+        **TEST_WORKER_SETTINGS,
+        "broker_url": broker_server.url,
+        "store_url": store_server.url,
+    }
+
+
+@pytest.fixture(scope="module")
+def checkout_worker(worker_settings: dict[str, object]) -> Iterator[CeleryProcess]:
+    """A worker run from this checkout, applying what a user's venv sends."""
+    process = CeleryProcess("worker", checkpointq_env(**worker_settings)).start()
+    try:
+        yield process
+    finally:
+        code = process.stop()
+        print(f"--- worker log (exit {code}) ---\n{process.log()}")

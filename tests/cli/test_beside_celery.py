@@ -13,21 +13,15 @@ never on any other failure.
 from __future__ import annotations
 
 import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support.celery_processes import CeleryProcess, checkpointq_env
+from tests.support.celery_processes import CeleryProcess
 from tests.support.servers import RedisServer
-from tests.support.workers import TEST_WORKER_SETTINGS
+from tests.support.venvs import installed, new_venv, pip
 
 pytestmark = pytest.mark.integration
-
-ROOT = Path(__file__).resolve().parents[2]
-#: Seconds for one pip command (a resolve from the index on a loaded machine).
-PIP_TIMEOUT = 300
 
 #: Celery releases an API server may run, with the kombu they install: both ends of the
 #: claimed 5.3-5.7, and the two the issue was measured on. (5.6 sits between 5.5 and 5.7,
@@ -52,74 +46,31 @@ with CheckpointClient(broker_url, RedisStore.from_url(store_url)) as client:
 """
 
 
-def _pip(python: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(python), "-m", "pip", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=PIP_TIMEOUT,
-        check=False,
-    )
-
-
-def _installed(python: Path) -> dict[str, str]:
-    """Every distribution in the venv, by normalised name, with its version."""
-    done = _pip(python, "list", "--format=freeze")
-    assert done.returncode == 0, done.stderr
-    pairs = (line.split("==", 1) for line in done.stdout.splitlines() if "==" in line)
-    return {name.lower().replace("_", "-"): version for name, version in pairs}
-
-
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dist = tmp_path_factory.mktemp("dist")
-    built = _pip(Path(sys.executable), "wheel", "--no-deps", "-q", "-w", dist, ROOT)
-    assert built.returncode == 0, built.stderr
-    (found,) = dist.glob("checkpointq-*.whl")
-    return found
-
-
-@pytest.fixture(scope="module")
-def worker(broker_server: RedisServer, store_server: RedisServer) -> Iterator[CeleryProcess]:
-    values = {
-        **TEST_WORKER_SETTINGS,
-        "broker_url": broker_server.url,
-        "store_url": store_server.url,
-    }
-    process = CeleryProcess("worker", checkpointq_env(**values)).start()
-    try:
-        yield process
-    finally:
-        code = process.stop()
-        print(f"--- worker log (exit {code}) ---\n{process.log()}")
-
-
 @pytest.mark.parametrize(("celery", "kombu"), USER_CELERY)
 def test_installing_beside_a_users_celery_changes_nothing_and_saves_are_applied(
     celery: str,
     kombu: str,
     wheel: Path,
-    worker: CeleryProcess,
+    checkout_worker: CeleryProcess,
     broker_server: RedisServer,
     store_server: RedisServer,
     tmp_path: Path,
 ) -> None:
     # Given an API server's venv with its own Celery
-    subprocess.run([sys.executable, "-m", "venv", tmp_path / "venv"], check=True, timeout=120)
-    python = tmp_path / "venv" / "bin" / "python"
-    before_install = _pip(python, "install", "-q", f"celery[redis]=={celery}", f"kombu=={kombu}")
+    python = new_venv(tmp_path / "venv")
+    before_install = pip(python, "install", "-q", f"celery[redis]=={celery}", f"kombu=={kombu}")
     if before_install.returncode != 0 and "No matching distribution" in before_install.stderr:
         pytest.skip(f"no package index reachable for celery {celery}: {before_install.stderr}")
     assert before_install.returncode == 0, before_install.stderr
-    before = _installed(python)
+    before = installed(python)
     assert (before["celery"], before["kombu"]) == (celery, kombu)
 
     # When checkpointq is installed into it (no extra: the producer and the store)
-    added = _pip(python, "install", "-q", wheel)
+    added = pip(python, "install", "-q", wheel)
     assert added.returncode == 0, added.stderr
 
     # Then pip changed nothing that was there, Celery and kombu included
-    after = _installed(python)
+    after = installed(python)
     assert {name: after.get(name) for name in before} == before
     assert "checkpointq" in after
 
@@ -132,5 +83,6 @@ def test_installing_beside_a_users_celery_changes_nothing_and_saves_are_applied(
         cwd=tmp_path,
         check=False,
     )
-    assert produced.returncode == 0, f"{produced.stdout}\n{produced.stderr}\n{worker.log()}"
+    log = checkout_worker.log()
+    assert produced.returncode == 0, f"{produced.stdout}\n{produced.stderr}\n{log}"
     assert produced.stdout.strip() == str(list(range(1, 21)))
