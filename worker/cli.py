@@ -28,14 +28,20 @@ from checkpointq.store.errors import CheckpointError
 from checkpointq.store.keys import KeySpace
 from checkpointq.store.model import Checkpoint, display_id
 from checkpointq.store.serde import checkpoint_from_wire, checkpoint_to_wire, loads_json
-from checkpointq.store.urls import is_redis_url, redact_url, redact_urls, redis_py_url
+from checkpointq.store.urls import (
+    is_cluster_url,
+    is_redis_url,
+    redact_url,
+    redact_urls,
+    redis_py_url,
+)
 from checkpointq.tasks.dead_letters import DeadLetter, DeadLetters, Reason
 from checkpointq.tasks.errors import NotFound, NotReplayable
 from checkpointq.tasks.producer.client import CheckpointClient, Handle
 from checkpointq.tasks.producer.outcomes import SUPERSEDED, RequestOutcome
 from checkpointq.tasks.sweep import sweep as run_sweep
 from checkpointq.worker import connections
-from checkpointq.worker.console import missing_worker_extra
+from checkpointq.worker.console import EXIT_MISSING_EXTRA, missing_worker_extra
 from checkpointq.worker.settings import Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -69,6 +75,12 @@ class _HelpFailure(click.ClickException):
 
     def show(self, file: IO[Any] | None = None) -> None:
         click.echo(self.ctx.get_help() if self.ctx is not None else self.message, err=True)
+
+
+class MissingExtra(CliFailure):
+    """A command whose dependencies are missing: the line names the extra, exit status 2."""
+
+    exit_code = EXIT_MISSING_EXTRA
 
 
 def _usage_failure(exc: click.UsageError) -> CliFailure:
@@ -120,7 +132,7 @@ class _Cli(click.Group):
             message = missing_worker_extra(exc)
             if message is None:
                 raise
-            raise CliFailure(message) from None
+            raise MissingExtra(message) from None
 
 
 def _quiet_stdout() -> None:
@@ -306,8 +318,8 @@ def cli() -> None:
 
     Settings come from CHECKPOINTQ_* variables or a .env file (docs/configuration.md). With
     no CHECKPOINTQ_BROKER_URL, every command uses the embedded Redis of a `checkpointq up`
-    running in this directory. Errors are one line on stderr with exit 1; --json on every
-    command prints JSON for scripts.
+    running in this directory. Errors are one line on stderr with exit 1 (2 when the worker
+    extra is missing); --json on every command prints JSON for scripts.
     """
 
 
@@ -337,6 +349,8 @@ def up(as_json: bool, **run: Any) -> None:
         if settings.broker_url
         else f"embedded Redis under {settings.data_dir.resolve()}"
     )
+    if not embedded and settings.broker_url:
+        _require_broker(settings.broker_url)
     up_log = logging.getLogger("checkpointq.up")
     up_log.info("starting; broker %s", where)
     Supervisor(
@@ -345,6 +359,26 @@ def up(as_json: bool, **run: Any) -> None:
         child_env=_override_env(settings, run, as_json),
     ).run()
     up_log.info("stopped")
+
+
+def _require_broker(url: str) -> None:
+    """Fail in one line naming ``url`` when ``up``'s Redis broker does not answer, before the
+    worker and beat start (each would retry it, and the first to give up takes all down)."""
+    if not is_redis_url(url) or is_cluster_url(url):
+        return  # Sentinel, AMQP, Cluster: the worker's own connect reports them
+    client = redis.Redis.from_url(
+        redis_py_url(url),
+        socket_timeout=connections.CLI_SOCKET_TIMEOUT,
+        socket_connect_timeout=connections.CLI_SOCKET_TIMEOUT,
+    )
+    try:
+        client.ping()
+    except (redis.RedisError, OSError) as exc:
+        raise CliFailure(
+            f"cannot reach the broker at {redact_url(url)}: {type(exc).__name__}: {exc}"
+        ) from None
+    finally:
+        client.close()
 
 
 def _ready_block(settings: Settings, embedded: bool, as_json: bool) -> None:

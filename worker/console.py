@@ -3,13 +3,33 @@
 ``pip install checkpointq`` brings the producer and the store only; the CLI's own library
 (click) and what its commands run (Celery, kombu, redbeat, prometheus-client, rich) come with
 ``checkpointq[worker]``. So the script imports the CLI here, and a module of that extra
-missing, at import or in a command, is the CLI's usual one-line error, never a traceback.
+missing, at import or in a command, is one line naming the extra and exit status 2 (apart
+from the CLI's own failures, 1), never a traceback; ``--version`` and ``--help`` answer
+without it.
 """
 
 from __future__ import annotations
 
 import sys
 from importlib import metadata
+
+#: Exit status of a command whose dependencies are missing (the CLI's own failures are 1).
+EXIT_MISSING_EXTRA = 2
+
+#: ``checkpointq --help`` where the CLI cannot import (click's layout, which needs no click).
+BARE_HELP = """\
+Usage: checkpointq [OPTIONS] COMMAND [ARGS]...
+
+  Persist AI-agent session checkpoints through Celery workers on Redis.
+
+  This install has the Python producer and the store (from checkpointq import
+  CheckpointClient). Its commands (beat, delete, dlq, health, ls, save, show, stats,
+  sweep, top, up, worker) need the worker extra: pip install 'checkpointq[worker]'
+
+Options:
+  --version   Show the version and exit.
+  -h, --help  Show this message and exit.
+"""
 
 #: Modules of the worker extra (pyproject.toml) that the CLI and its commands import.
 WORKER_EXTRA_MODULES = (
@@ -51,6 +71,9 @@ def main() -> None:
         if sys.argv[1:] == ["--version"]:  # click's format, which needs no click
             print(f"checkpointq, version {metadata.version('checkpointq')}")
             return
+        if sys.argv[1:] in (["--help"], ["-h"]):
+            print(BARE_HELP, end="")
+            return
         print(f"checkpointq: error: {message}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(EXIT_MISSING_EXTRA)
     cli_main()

@@ -92,8 +92,8 @@ def test_a_command_missing_a_module_of_the_worker_extra_names_the_extra(cli_offl
         check=False,
     )
 
-    # Then it is the CLI's one-line error, naming the extra and the missing module
-    assert (completed.returncode, completed.stdout) == (1, ""), completed.stderr
+    # Then it is the CLI's one-line error, naming the extra and the missing module, exit 2
+    assert (completed.returncode, completed.stdout) == (2, ""), completed.stderr
     assert completed.stderr.splitlines() == [
         "checkpointq: error: this command needs the worker extra: "
         "pip install 'checkpointq[worker]' (rich is not installed)"

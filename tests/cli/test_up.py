@@ -24,7 +24,7 @@ from checkpointq.worker.embedded import pid_of
 from tests.cli.conftest import Cli, running
 from tests.cli.test_embedded import alive
 from tests.support.checkpoints import make_checkpoint
-from tests.support.servers import RedisServer, wait_until
+from tests.support.servers import RedisServer, free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -181,3 +181,31 @@ def test_scripts_up_passes_celery_style_options_onto_the_settings(cli_offline: C
     finally:
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=DEADLINE) == 0, log_path.read_text(errors="replace")
+
+
+def test_up_with_a_broker_it_cannot_reach_names_the_url_in_one_line(cli_offline: Cli) -> None:
+    # Given a broker URL with a password, on a port where nothing listens
+    port = free_port()
+    url = f"redis://:hunter2@127.0.0.1:{port}/0"
+    env = {**cli_offline.process_env(), "CHECKPOINTQ_BROKER_URL": url}
+
+    # When `up` starts with it
+    done = subprocess.run(
+        [*_checkpointq(), "up"],
+        cwd=cli_offline.cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+        check=False,
+    )
+
+    # Then it fails at once, in one line naming the URL with its password hidden, and blames
+    # neither beat nor the worker
+    errors = [line for line in done.stderr.splitlines() if "checkpointq: error:" in line]
+    assert done.returncode == 1, done.stderr
+    assert errors == [line for line in done.stderr.splitlines() if line.strip()], done.stderr
+    assert errors[0].startswith(
+        f"checkpointq: error: cannot reach the broker at redis://:***@127.0.0.1:{port}/0: "
+    ), errors
+    assert "hunter2" not in done.stderr

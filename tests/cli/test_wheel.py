@@ -7,7 +7,8 @@ starts may pick up the user's modules from the current directory. The wheel is b
 this checkout and installed with its dependencies into a new venv, then ``up``, ``save
 --wait`` and ``show`` run in a directory whose ``tasks.py``, ``worker.py``, ``store.py`` and
 ``checkpointq.py`` fail loudly if imported. Before the worker extra is added to that venv,
-every command run there must say, in one line, that it needs ``checkpointq[worker]``.
+every command run there must say, in one line, that it needs ``checkpointq[worker]``, and
+exit 2; ``--version`` and ``--help`` answer.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ INSTALL_TIMEOUT = 600
 DEADLINE = 90
 #: Modules a user's project may have beside it; importing any of them is the failure.
 SHADOWS = ("tasks", "worker", "store", "checkpointq")
-#: Commands run without the worker extra: the help, one that runs Celery, and ones that read.
-COMMANDS = [(), ("--help",), ("worker",), ("ls",), ("show", "wheel-demo"), ("dlq", "ls")]
+#: Commands run without the worker extra: none at all, one that runs Celery, ones that read.
+COMMANDS = [(), ("worker",), ("ls",), ("show", "wheel-demo"), ("dlq", "ls")]
 
 #: What each command printed, by its arguments.
 Runs = dict[tuple[str, ...], subprocess.CompletedProcess[str]]
@@ -55,15 +56,6 @@ def _run(*args: str | Path, cwd: Path | None = None, timeout: float = INSTALL_TI
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The wheel built from this checkout."""
-    dist = tmp_path_factory.mktemp("dist")
-    _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", dist, ROOT)
-    (found,) = dist.glob("checkpointq-*.whl")
-    return found
-
-
-@pytest.fixture(scope="module")
 def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A clean venv with the wheel and no extra (``pip install checkpointq``); its bin dir."""
     base = tmp_path_factory.mktemp("wheel")
@@ -76,7 +68,8 @@ def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def without_extra(venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     """Each of COMMANDS as run in ``venv`` before ``installed`` adds the worker extra to it."""
     cwd = tmp_path_factory.mktemp("no-extra")
-    return {args: _checkpointq(venv, cwd, *args) for args in (*COMMANDS, ("--version",))}
+    answered = (("--version",), ("--help",))
+    return {args: _checkpointq(venv, cwd, *args) for args in (*COMMANDS, *answered)}
 
 
 @pytest.fixture(scope="module")
@@ -157,9 +150,10 @@ def test_without_the_worker_extra_every_command_names_it_in_one_line(
     # When each command runs (in the fixture, before the extra is added)
     for args in COMMANDS:
         done = without_extra[args]
-        # Then it fails as the CLI's errors do: exit 1, one line naming the extra, no traceback
+        # Then it fails with exit 2 (a missing dependency), one line naming the extra, no
+        # traceback
         lines = done.stderr.splitlines()
-        assert (done.returncode, len(lines), done.stdout) == (1, 1, ""), (args, done.stderr)
+        assert (done.returncode, len(lines), done.stdout) == (2, 1, ""), (args, done.stderr)
         assert "pip install 'checkpointq[worker]'" in lines[0], (args, lines)
         assert "Traceback" not in done.stderr, (args, done.stderr)
     # And --version still answers
@@ -169,6 +163,11 @@ def test_without_the_worker_extra_every_command_names_it_in_one_line(
         "checkpointq, version 0.1.0\n",
         "",
     )
+    # And --help says what this install holds and which extra the commands need
+    help_ = without_extra[("--help",)]
+    assert (help_.returncode, help_.stderr) == (0, ""), help_.stderr
+    assert help_.stdout.startswith("Usage: checkpointq [OPTIONS] COMMAND [ARGS]...\n")
+    assert "pip install 'checkpointq[worker]'" in help_.stdout
 
 
 @pytest.fixture
