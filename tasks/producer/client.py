@@ -330,7 +330,7 @@ class CheckpointClient:
         kwargsrepr = f"{{'seq': {seq}}}"
         record = RecordWrite(cp.session_id, seq, SAVE_OP, task_id, value, staged=True)
         publisher.publish(SAVE_STAGED, body, argsrepr, kwargsrepr, task_id, [record])
-        return Handle(task_id, SAVE, cp.session_id, seq)
+        return Handle(task_id, SAVE_STAGED, cp.session_id, seq)
 
     def staged_value(
         self, checkpoint: Checkpoint | dict[str, Any]

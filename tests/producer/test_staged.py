@@ -58,6 +58,19 @@ def test_a_staged_message_is_a_send_task_message_that_names_the_request(
     assert value == serialize_checkpoint(checkpoint)
 
 
+def test_the_handle_of_a_staged_save_names_the_task_that_was_sent(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    # Given a client that stages its saves (the default on a Redis broker)
+    with CheckpointClient(redis_server.url, InMemoryStore(), queue=QUEUE) as client:
+        # When it saves
+        handle = client.save(make_checkpoint("named", version=1))
+    (sent,) = _messages(redis_client)
+    # Then the handle names the task Flower, events and spans show: the message's own
+    assert handle.task == sent["headers"]["task"] == SAVE_STAGED
+    assert handle.task_id == sent["headers"]["id"]
+
+
 def test_the_staged_value_lives_as_long_as_its_message_may(
     redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
