@@ -28,8 +28,11 @@ from typing import Any, NamedTuple, Protocol
 from redis import exceptions as redis_errors
 
 from checkpointq.store.base import Refusal
+from checkpointq.store.errors import InvalidCheckpoint
 from checkpointq.store.keys import KeySpace
+from checkpointq.store.serde import checkpoint_from_wire
 from checkpointq.tasks.errors import NotFound, NotReplayable, redis_unavailable
+from checkpointq.tasks.messages import SAVE, SAVE_STAGED
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +93,28 @@ class DeadLetter:
 
     @property
     def replayable(self) -> bool:
-        return self.task is not None and self.args is not None and self.kind != Reason.OVERSIZE
+        """Whether a replay could apply (``dlq show`` and ``dlq replay`` ask)."""
+        return self.never_applies is None
+
+    @property
+    def never_applies(self) -> str | None:
+        """Why a replay of this entry would be refused again whatever the store holds, or
+        None. Only what is certain counts: a request refused for the time or the store's
+        state may apply later, so it stays replayable."""
+        if self.task is None or self.args is None:
+            return "its task and arguments could not be decoded"
+        if self.kind == Reason.OVERSIZE:
+            return "it was oversize"
+        if self.task == SAVE_STAGED:
+            # The value waited on the broker under the refused request's id; a replay is a
+            # request of its own, and would find none.
+            return "a staged save's checkpoint is not in its entry"
+        if self.task == SAVE and self.args:
+            try:
+                checkpoint_from_wire(self.args[0])
+            except InvalidCheckpoint as exc:
+                return f"its checkpoint is invalid ({exc})"
+        return None
 
     def as_json(self) -> dict[str, Any]:
         """The entry as JSON-able data (raw body as text, undecodable bytes replaced)."""
@@ -245,15 +269,14 @@ class DeadLetters:
 
         Raises:
             NotFound: no such entry.
-            NotReplayable: the entry's task or arguments were never decoded, or it was oversize.
+            NotReplayable: a replay could never apply (``DeadLetter.never_applies``).
         """
         letter = self.get(entry_id)
         if letter is None:
             raise NotFound(f"no dead letter {entry_id!r}")
-        if not letter.replayable or letter.task is None or letter.args is None:
-            raise NotReplayable(
-                f"dead letter {entry_id} ({letter.kind}) has no decodable task and arguments"
-            )
+        why = letter.never_applies
+        if why is not None or letter.task is None or letter.args is None:
+            raise NotReplayable(f"dead letter {entry_id} ({letter.kind}) cannot apply: {why}")
         task_id = sender.send(letter.task, letter.args, letter.kwargs or {})
         self.remove(entry_id)
         logger.info("replayed dead letter %s as %s [%s]", entry_id, letter.task, task_id)

@@ -883,6 +883,8 @@ def dlq_list(limit: int, cursor: str | None, as_json: bool) -> None:
         f"{e.id}  {_when(e.time)}  {e.kind:<17} {e.task or '-'}  {' '.join(e.reason.split())[:80]}"
         for e in page.entries
     ]
+    if not page.entries:
+        human = ["no dead letters" if cursor is None else f"no dead letters after {cursor}"]
     if page.cursor is not None and not as_json:
         _hint(f"more: checkpointq dlq ls --limit {limit} --cursor {page.cursor}")
     data = {"entries": [e.as_json() for e in page.entries], "cursor": page.cursor}
@@ -922,7 +924,7 @@ def _letter_lines(letter: DeadLetter) -> Iterator[str]:
         if letter.replayable
         else f"as it arrived, while the broker keeps it: checkpointq dlq replay {letter.id}"
         if kept
-        else "no (its task and arguments could not be decoded, or it was oversize)"
+        else f"no: {letter.never_applies}"
     )
     yield f"replayable {how}"
     raw = letter.raw.decode("utf-8", errors="replace")
@@ -940,8 +942,8 @@ def _compact(value: Any) -> str:
     "--all",
     "replay_all",
     is_flag=True,
-    help="Replay every replayable entry (those whose task or arguments could never be "
-    "decoded are skipped and listed).",
+    help="Replay every replayable entry (those that could never apply, as `dlq show` says, "
+    "are left).",
 )
 @json_option
 def dlq_replay(entry_ids: tuple[str, ...], replay_all: bool, as_json: bool) -> None:

@@ -155,6 +155,45 @@ def test_dlq_lists_shows_and_purges_dead_letters(cli_env: Cli, redis_client: red
     assert missing.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    ("task", "args", "why"),
+    [
+        ("checkpoint.save", [{"sessionId": ""}], "its checkpoint is invalid"),
+        ("checkpoint.save_staged", ["lost"], "staged save"),
+    ],
+    ids=["invalid-checkpoint", "staged-save"],
+)
+def test_dlq_show_never_calls_an_entry_that_can_never_apply_replayable(
+    cli_env: Cli, redis_client: redis.Redis, task: str, args: list[object], why: str
+) -> None:
+    # Given a dead letter whose replay would be refused again, whatever the store holds
+    letters = DeadLetters(redis_client, KeySpace())
+    entry = letters.add(
+        Reason.INVALID_INPUT, "refused", task=task, task_id="t-1", args=args, kwargs={"seq": 1}
+    )
+
+    # When it is shown, for people and as JSON
+    human = cli_env("dlq", "show", entry).stdout
+    shown = json.loads(cli_env("dlq", "show", entry, "--json").stdout)
+
+    # Then neither calls it replayable, and the human view says why not
+    (line,) = [line for line in human.splitlines() if line.startswith("replayable")]
+    assert line.startswith("replayable no:") and why in line, line
+    assert shown["replayable"] is False
+
+
+def test_dlq_ls_says_when_there_are_no_dead_letters(cli_env: Cli) -> None:
+    # Given no dead letters
+    # When they are listed, for people and as JSON
+    human = cli_env("dlq", "ls")
+    as_json = json.loads(cli_env("dlq", "ls", "--json").stdout)
+
+    # Then people are told the stream is empty, and JSON stays an empty list
+    assert human.exit_code == 0
+    assert human.stdout == "no dead letters\n"
+    assert as_json == {"entries": [], "cursor": None}
+
+
 def test_a_redis_socket_broker_url_also_serves_the_store(
     cli_offline: Cli, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
