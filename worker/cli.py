@@ -9,6 +9,7 @@ traceback; URLs in messages are shown with their passwords redacted.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -38,7 +39,12 @@ from checkpointq.store.urls import (
 from checkpointq.tasks.dead_letters import DeadLetter, DeadLetters, Reason
 from checkpointq.tasks.errors import NotFound, NotReplayable
 from checkpointq.tasks.producer.client import CheckpointClient, Handle
-from checkpointq.tasks.producer.outcomes import SUPERSEDED, RequestOutcome
+from checkpointq.tasks.producer.outcomes import (
+    HISTORY_CAP,
+    MAX_VALUE_BYTES,
+    SUPERSEDED,
+    RequestOutcome,
+)
 from checkpointq.tasks.sweep import sweep as run_sweep
 from checkpointq.worker import connections
 from checkpointq.worker.console import EXIT_MISSING_EXTRA, missing_worker_extra
@@ -532,28 +538,28 @@ def save(source: IO[bytes], wait: bool, timeout: float, as_json: bool) -> None:
     """Enqueue a save of the checkpoint JSON in FILE (or - for stdin).
 
     The file is validated here, before anything is enqueued. With --wait, the line printed
-    says whether the save was applied or superseded by a newer request, and how many
-    messages the store kept when it trimmed the history (CHECKPOINTQ_HISTORY_CAP, or the
-    stored-size limit); a request the worker refused fails at once with its reason and
-    dead-letter entry.
+    says whether the save was applied or superseded by a newer request, and, when the store
+    trimmed the history, how many messages it kept and why (CHECKPOINTQ_HISTORY_CAP, or the
+    stored-size budget CHECKPOINTQ_MAX_VALUE_BYTES); a request the worker refused fails at
+    once with its reason and dead-letter entry.
     """
     checkpoint = checkpoint_from_wire(loads_json(source.read()))
-    trimmed: dict[str, int] = {}
     with _client(_settings()) as client:
         handle = client.save(checkpoint)
         outcome = _await(client, handle, timeout) if wait else None
-        if outcome is not None and outcome.outcome != SUPERSEDED:
-            stored = client.load(handle.session_id)
-            sent = len(checkpoint.conversation_history)
-            if stored is not None and len(stored.conversation_history) < sent:
-                trimmed = {"sent": sent, "kept": len(stored.conversation_history)}
+    trimmed = outcome.trimmed if outcome is not None else None
     human = [_outcome_line("save", handle, outcome)]
-    if trimmed:
+    if trimmed is not None:
+        why = {
+            HISTORY_CAP: "CHECKPOINTQ_HISTORY_CAP",
+            MAX_VALUE_BYTES: "to fit the stored-size budget, CHECKPOINTQ_MAX_VALUE_BYTES",
+        }[trimmed.cause]
         human.append(
-            f"history trimmed: the store kept the newest {trimmed['kept']} of "
-            f"{trimmed['sent']} messages (CHECKPOINTQ_HISTORY_CAP, or the stored-size limit)"
+            f"history trimmed: the store kept the newest {trimmed.kept} of "
+            f"{trimmed.sent} messages ({why})"
         )
-    _emit(as_json, {**_handle_json(handle, outcome), "messages": trimmed or None}, human)
+    messages = None if trimmed is None else dataclasses.asdict(trimmed)
+    _emit(as_json, {**_handle_json(handle, outcome), "messages": messages}, human)
 
 
 @cli.command(short_help="Enqueue a delete of a session (--wait: until applied).")
@@ -571,15 +577,11 @@ def delete(session_id: str, wait: bool, timeout: float, as_json: bool) -> None:
 # -- reading sessions -----------------------------------------------------------------------
 
 
-def _show_lines(checkpoint: Checkpoint) -> Iterator[str]:
+def _show_lines(checkpoint: Checkpoint, settings: Settings) -> Iterator[str]:
     meta = checkpoint.metadata
     yield f"session   {display_id(checkpoint.session_id)}"
     yield f"version   {checkpoint.version}"
-    kept = len(checkpoint.conversation_history)
-    history = f"{kept} stored (the newest, at most CHECKPOINTQ_HISTORY_CAP)"
-    if meta.total_messages:
-        history += f", of {meta.total_messages} in the conversation (metadata.totalMessages)"
-    yield f"messages  {history}"
+    yield f"messages  {_history_words(checkpoint, settings)}"
     if meta.total_tokens:
         yield f"tokens    {meta.total_tokens}"
     if meta.total_cost_usd:
@@ -591,6 +593,28 @@ def _show_lines(checkpoint: Checkpoint) -> Iterator[str]:
     for message in checkpoint.conversation_history[-5:]:
         content = " ".join(message.content.split())
         yield f"  {message.role}: {content[:120]}{'…' if len(content) > 120 else ''}"
+
+
+def _history_words(checkpoint: Checkpoint, settings: Settings) -> str:
+    """How many messages are stored and, when the conversation had more, what may have
+    dropped them: the cap only when it is full, as a budget trim keeps fewer."""
+    kept = len(checkpoint.conversation_history)
+    total = checkpoint.metadata.total_messages
+    words = f"{kept} stored"
+    if total <= kept and kept >= settings.history_cap:
+        words += f" (CHECKPOINTQ_HISTORY_CAP: at most {settings.history_cap}, the newest)"
+    elif total > kept:
+        words += f" (the newest), of {total} in the conversation (metadata.totalMessages)"
+        if kept >= settings.history_cap:
+            words += f": CHECKPOINTQ_HISTORY_CAP is {settings.history_cap}"
+        else:
+            # Under the cap: the rest was not sent, or the store dropped it to fit the budget.
+            words += (
+                f": fewer than CHECKPOINTQ_HISTORY_CAP ({settings.history_cap}), so the rest "
+                "was not sent or did not fit the stored-size budget, CHECKPOINTQ_MAX_VALUE_BYTES "
+                f"({settings.max_value_bytes} bytes compressed)"
+            )
+    return words
 
 
 def _request_words(request: Fence) -> str:
@@ -607,7 +631,8 @@ def show(session_id: str, as_json: bool) -> None:
     document stays the checkpoint alone)."""
     from checkpointq.worker.ops import sessions
 
-    with _client(_settings()) as client:
+    settings = _settings()
+    with _client(settings) as client:
         session = sessions.read(client, session_id)
     checkpoint, queued = session.checkpoint, session.queued
     if checkpoint is None:
@@ -620,7 +645,7 @@ def show(session_id: str, as_json: bool) -> None:
     # The document is the checkpoint's alone, so it can be saved back as it is (fields of
     # ours would be kept in it as unknown ones); a queued answer is said beside it.
     document = checkpoint_to_wire(checkpoint)
-    human = list(_show_lines(checkpoint))
+    human = list(_show_lines(checkpoint, settings))
     if queued is not None:
         note = f"a save ({_request_words(queued)}) is queued and not yet in the store"
         human.insert(1, f"pending   {note}")

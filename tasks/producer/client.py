@@ -25,7 +25,7 @@ from __future__ import annotations
 import reprlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
@@ -45,7 +45,7 @@ from checkpointq.tasks.errors import BrokerUnavailable, RequestRefused
 from checkpointq.tasks.messages import DELETE, EXPIRE_STALE, REFRESH, SAVE, SAVE_STAGED
 from checkpointq.tasks.producer import compressed_body, fast_publish
 from checkpointq.tasks.producer.clock import SeqClock, seq_clock
-from checkpointq.tasks.producer.outcomes import RequestOutcome, decide
+from checkpointq.tasks.producer.outcomes import APPLIED, RequestOutcome, Trimmed, decide
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -99,6 +99,8 @@ class Handle:
     session_id: str
     seq: int | None
     request_id: str = ""
+    #: A save whose history the store will trim (as this producer encoded it): how and why.
+    trimmed: Trimmed | None = None
 
     @property
     def request(self) -> str:
@@ -312,7 +314,8 @@ class CheckpointClient:
         else:
             body = messages.save_body(document, seq)
             self.send_encoded(SAVE, body, argsrepr, kwargsrepr, task_id=task_id)
-        return Handle(task_id, SAVE, cp.session_id, seq)
+        trimmed = self._trimmed(cp, stored.trimmed)
+        return Handle(task_id, SAVE, cp.session_id, seq, trimmed=trimmed)
 
     def _save_staged(
         self,
@@ -330,7 +333,11 @@ class CheckpointClient:
         kwargsrepr = f"{{'seq': {seq}}}"
         record = RecordWrite(cp.session_id, seq, SAVE_OP, task_id, value, staged=True)
         publisher.publish(SAVE_STAGED, body, argsrepr, kwargsrepr, task_id, [record])
-        return Handle(task_id, SAVE_STAGED, cp.session_id, seq)
+        return Handle(task_id, SAVE_STAGED, cp.session_id, seq, trimmed=self._trimmed(cp, trimmed))
+
+    def _trimmed(self, checkpoint: Checkpoint, trimmed: int) -> Trimmed | None:
+        history_cap = self.store.options.history_cap
+        return Trimmed.of(len(checkpoint.conversation_history), trimmed, history_cap)
 
     def staged_value(
         self, checkpoint: Checkpoint | dict[str, Any]
@@ -500,6 +507,8 @@ class CheckpointClient:
             # The fence first: it is the session's own, while a refusal names a request id.
             outcome = decide(handle.task, request, handle.seq, fence, self._lapsed(handle.seq))
             if outcome is not None:
+                if outcome.outcome == APPLIED and handle.trimmed is not None:
+                    return replace(outcome, trimmed=handle.trimmed)
                 return outcome
             if refusal is not None and refusal.names(handle.seq):
                 description = f"{handle.task} {request} for session {handle.session_id!r}"

@@ -9,6 +9,10 @@ the refusal under the request's id, so a producer can tell its own request's fat
 * **expired**: it reached a worker past its deadline, or is past it now: never stored;
 * **refused**: dead-lettered (``RequestRefused``, with the kind, reason and entry);
 * otherwise it is still on its way.
+
+A save whose history the store trims (oldest messages first) says so in its handle and its
+outcome (``Trimmed``): the producer encodes the value as the store does, with the same
+options, so it knows how many messages go, and why, before it sends.
 """
 
 from __future__ import annotations
@@ -24,6 +28,34 @@ SUPERSEDED = "superseded"
 EXPIRED = "expired"
 
 
+#: Why a saved history was trimmed: the message-count cap, or the stored-size budget.
+HISTORY_CAP = "history_cap"
+MAX_VALUE_BYTES = "max_value_bytes"
+
+
+@dataclass(frozen=True, slots=True)
+class Trimmed:
+    """How many of a save's messages the store keeps (the newest), and why it drops the rest:
+    ``history_cap`` (CHECKPOINTQ_HISTORY_CAP) or ``max_value_bytes`` (the stored-size budget,
+    CHECKPOINTQ_MAX_VALUE_BYTES, which took messages the cap would have kept)."""
+
+    sent: int
+    kept: int
+    cause: str
+
+    @classmethod
+    def of(cls, sent: int, trimmed: int, history_cap: int) -> Trimmed | None:
+        """The trim of a ``sent``-message history that lost ``trimmed``; None if none.
+
+        The store applies the cap first, then the budget (``CheckpointStore.encode``): more
+        dropped than the cap accounts for means the budget took some.
+        """
+        if trimmed <= 0:
+            return None
+        cause = MAX_VALUE_BYTES if trimmed > max(0, sent - history_cap) else HISTORY_CAP
+        return cls(sent, sent - trimmed, cause)
+
+
 @dataclass(frozen=True, slots=True)
 class RequestOutcome:
     """A request's known outcome and the fence it was read from."""
@@ -37,6 +69,8 @@ class RequestOutcome:
     deleted: bool
     #: That request's id (``""`` from workers that do not record it).
     winner: str
+    #: An applied save whose history the store trimmed: how, and why (None: kept whole).
+    trimmed: Trimmed | None = None
 
 
 def decide(

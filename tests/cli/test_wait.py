@@ -39,8 +39,8 @@ def test_save_wait_reports_a_history_the_store_trimmed(system: Cli) -> None:
 
     assert saved.returncode == 0, saved.stderr
     assert "save of session 'long' applied" in saved.stdout
-    assert "the store kept the newest 2 of 5 messages" in saved.stdout
-    assert json.loads(as_json.stdout)["messages"] == {"sent": 5, "kept": 2}
+    assert "the store kept the newest 2 of 5 messages (CHECKPOINTQ_HISTORY_CAP)" in saved.stdout
+    assert json.loads(as_json.stdout)["messages"] == {"sent": 5, "kept": 2, "cause": "history_cap"}
 
 
 def _too_big() -> bytes:

@@ -55,8 +55,22 @@ class Deployment:
 
 
 @pytest.fixture(scope="module")
-def deployment(broker_server: RedisServer, store_server: RedisServer) -> Iterator[Deployment]:
-    values = {**WORKER_SETTINGS, "broker_url": broker_server.url, "store_url": store_server.url}
+def deployment_settings() -> dict[str, object]:
+    """Settings a test module gives its worker and clients beside ``WORKER_SETTINGS``
+    (override it in the module)."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def deployment(
+    broker_server: RedisServer, store_server: RedisServer, deployment_settings: dict[str, object]
+) -> Iterator[Deployment]:
+    values = {
+        **WORKER_SETTINGS,
+        **deployment_settings,
+        "broker_url": broker_server.url,
+        "store_url": store_server.url,
+    }
     worker = CeleryProcess("worker", checkpointq_env(**values)).start()
     try:
         yield Deployment(broker_server, store_server, worker, Settings(**values))  # type: ignore[arg-type]
