@@ -22,7 +22,7 @@ import pytest
 
 from tests.cli.conftest import Cli
 from tests.cli.test_up import DEADLINE, running_up
-from tests.support.markdown import README, Block, all_blocks, blocks
+from tests.support.markdown import README, ROOT, Block, all_blocks, blocks
 from tests.support.servers import wait_until
 
 pytestmark = pytest.mark.integration
@@ -83,6 +83,42 @@ def test_up_ends_its_start_up_with_where_and_how_to_reach_it(system: Cli) -> Non
         "Ctrl-C to stop",
     ):
         assert expected in block
+
+
+def _import_in(cwd: Path, code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` run by this venv's python in ``cwd``, as a reader's shell runs it."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=BLOCK_TIMEOUT,
+        check=False,
+    )
+
+
+def test_the_readme_says_where_its_python_block_runs_and_why_not_in_the_clones_parent(
+    tmp_path: Path,
+) -> None:
+    # Given the README's Python block, and a directory laid out as a clone's parent: a folder
+    # named checkpointq holding the checkout
+    (block,) = [b for b in blocks(README) if b.lang == "python"]
+    (first,) = [line for line in block.code.splitlines() if line.startswith("from checkpointq")]
+    (tmp_path / "checkpointq").symlink_to(ROOT)
+
+    # When the block's import runs in the clone's directory, and in its parent
+    in_clone = _import_in(ROOT, first)
+    in_parent = _import_in(tmp_path, first)
+
+    # Then it runs in the clone, fails in its parent (the clone's folder is imported as the
+    # package, over the editable install), and the README says so beside the block
+    assert in_clone.returncode == 0, in_clone.stderr
+    assert "cannot import name" in in_parent.stderr, in_parent.stderr
+    text = " ".join(README.read_text().split())
+    assert "Run it in the clone's directory" in text
+    assert "in its parent, Python imports the clone's folder `checkpointq/` as the package" in text
 
 
 @pytest.mark.parametrize("block", RUNNABLE, ids=str)
