@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -47,7 +46,7 @@ from checkpointq.tasks.producer.outcomes import (
 )
 from checkpointq.tasks.sweep import sweep as run_sweep
 from checkpointq.worker import connections
-from checkpointq.worker.console import EXIT_MISSING_EXTRA, missing_worker_extra
+from checkpointq.worker.console import EXIT_MISSING_EXTRA, missing_worker_extra, quiet_stdout
 from checkpointq.worker.settings import Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -124,7 +123,7 @@ class _Cli(click.Group):
             raise
         except BrokenPipeError:
             # The reader went away (`checkpointq ls | head -1`): what it wanted was printed.
-            _quiet_stdout()
+            quiet_stdout()
             raise click.exceptions.Exit(0) from None
         except CheckpointError as exc:
             raise CliFailure(str(exc)) from None
@@ -139,13 +138,6 @@ class _Cli(click.Group):
             if message is None:
                 raise
             raise MissingExtra(message) from None
-
-
-def _quiet_stdout() -> None:
-    """Point stdout at /dev/null, so the interpreter's final flush cannot fail again."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
 
 
 def _settings(*, resolve: bool = True, **overrides: Any) -> Settings:
@@ -1068,7 +1060,7 @@ def main() -> None:
         finally:
             sys.stdout.flush()  # here, not at interpreter exit, so a closed pipe is caught
     except BrokenPipeError:
-        _quiet_stdout()
+        quiet_stdout()
         sys.exit(0)
 
 

@@ -5,11 +5,13 @@
 ``checkpointq[worker]``. So the script imports the CLI here, and a module of that extra
 missing, at import or in a command, is one line naming the extra and exit status 2 (apart
 from the CLI's own failures, 1), never a traceback; ``--version`` and ``--help`` answer
-without it.
+without it. It also owns what the script does with a stdout nobody takes any more
+(``quiet_stdout``).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from importlib import metadata
 
@@ -58,6 +60,14 @@ def missing_worker_extra(exc: ModuleNotFoundError) -> str | None:
             f"pip install 'checkpointq[worker]' ({named} is not installed)"
         )
     return None
+
+
+def quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's final flush of what is left in
+    its buffer cannot fail again (a closed pipe) or block (a terminal that takes no output)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def main() -> None:
