@@ -3,6 +3,7 @@ worker (concurrency 2) with its metrics endpoint and quick heartbeats, and the C
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -111,3 +112,20 @@ def system() -> Iterator[System]:
         yield live
     finally:
         live.close()
+
+
+@pytest.fixture
+def cpu_hogs() -> Iterator[int]:
+    """A busy loop on every core this process may run on, for the test's length: a loaded
+    machine. Yields how many."""
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(len(os.sched_getaffinity(0)))
+    ]
+    try:
+        yield len(hogs)
+    finally:
+        for hog in hogs:
+            hog.kill()
+        for hog in hogs:
+            hog.wait()

@@ -14,16 +14,23 @@ import sys
 import termios
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
 import pyte
+import pytest
 
 from tests.ops.conftest import System
 from tests.support.celery_processes import REPO
 from tests.support.checkpoints import make_checkpoint
-from tests.support.servers import free_port, wait_until
+from tests.support.servers import SilentListener, free_port, wait_until
 
 COLUMNS, ROWS = 120, 60
+#: Seconds from Ctrl-C to exit that fail a test. The goal is well under a second; this
+#: bound is below the broker probe's 3 s timeout, so a Ctrl-C that waited for a silent
+#: broker to time out fails too, and leaves room for a loaded machine (0.4 s measured with
+#: every core busy).
+STOPS_WITHIN = 2.5
 
 
 class Terminal:
@@ -43,6 +50,8 @@ class Terminal:
             stderr=slave,
             start_new_session=True,
         )
+        #: The terminal device, opened again to fill it (``stall``) and to read its modes.
+        self.path = os.ttyname(slave)
         os.close(slave)
         self.master = master
         self.screen = pyte.Screen(columns, rows)
@@ -66,20 +75,61 @@ class Terminal:
         screen = "\n".join(self.lines())
         raise AssertionError(f"the screen never showed {what} within {timeout}s:\n{screen}")
 
-    def interrupt(self, timeout: float = 10) -> int:
-        """Ctrl-C, as a person would stop it; the exit code."""
+    def stall(self) -> None:
+        """Stop taking the program's output, as a terminal that is slow or stopped: this
+        one reads nothing until ``finish`` and fills what it still buffers (with NULs,
+        which draw nothing), so that the program's next write waits."""
+        filler = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY)
+        try:
+            while True:
+                os.write(filler, b"\0" * 1024)
+        except BlockingIOError:
+            pass  # full
+        finally:
+            os.close(filler)
+
+    def interrupt(self) -> int:
+        """Ctrl-C, as a person would stop it, with the terminal not read meanwhile; the exit
+        code. Fails unless the program exits within ``STOPS_WITHIN`` seconds."""
+        started = time.monotonic()
         self.process.send_signal(signal.SIGINT)
         try:
-            return self.process.wait(timeout=timeout)
+            code = self.process.wait(timeout=STOPS_WITHIN)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running {STOPS_WITHIN} s after Ctrl-C") from None
+        print(f"exited {time.monotonic() - started:.2f} s after Ctrl-C")
+        return code
+
+    def finish(self) -> list[Any]:
+        """Once the program exited: draw all it wrote, and return the terminal's modes as
+        it left them (``termios.tcgetattr``)."""
+        device = os.open(self.path, os.O_RDWR | os.O_NOCTTY)
+        try:
+            modes = termios.tcgetattr(device)
         finally:
-            os.close(self.master)
+            os.close(device)
+        # With every end of the terminal closed, reads return what is left, then fail.
+        while select.select([self.master], [], [], 10)[0]:
+            try:
+                data = os.read(self.master, 65536)
+            except OSError:
+                return modes
+            self.stream.feed(data)
+        raise AssertionError("the terminal is still held open after the program exited")
+
+
+def top(
+    system: System, columns: int = COLUMNS, rows: int = ROWS
+) -> AbstractContextManager[Terminal]:
+    return top_on(system.env(), columns, rows)
 
 
 @contextmanager
-def top(system: System, columns: int = COLUMNS, rows: int = ROWS) -> Iterator[Terminal]:
+def top_on(env: dict[str, str], columns: int = COLUMNS, rows: int = ROWS) -> Iterator[Terminal]:
+    """``checkpointq top`` with ``env``, refreshing every 0.2 s; killed after if still alive."""
     terminal = Terminal(
         [sys.executable, "-m", "checkpointq.worker.cli", "top", "--interval", "0.2"],
-        system.env(),
+        env,
         columns,
         rows,
     )
@@ -89,6 +139,7 @@ def top(system: System, columns: int = COLUMNS, rows: int = ROWS) -> Iterator[Te
         if terminal.process.poll() is None:
             terminal.process.kill()
             terminal.process.wait()
+        os.close(terminal.master)
 
 
 def _holds(words: list[str], expected: list[str]) -> bool:
@@ -176,6 +227,53 @@ def test_top_shows_real_throughput_queue_and_dead_letters_of_a_live_system(
         assert terminal.interrupt() == 0
 
 
+@contextmanager
+def broker(system: System, behaviour: str) -> Iterator[tuple[dict[str, str], Callable[[], bool]]]:
+    """``top``'s environment with a broker that is ``answering``, ``stopped`` (SIGSTOP: the
+    kernel still accepts connections, nothing answers) or ``silent`` (a listener that never
+    answers), and whether top waits on it by now: as ``(env, waiting)``."""
+    if behaviour == "silent":
+        with SilentListener() as silent:
+            yield (
+                {**system.env(), "CHECKPOINTQ_BROKER_URL": silent.url},
+                lambda: silent.accepted > 0,
+            )
+        return
+    assert system.broker.process is not None
+    if behaviour == "stopped":
+        system.broker.process.send_signal(signal.SIGSTOP)
+    try:
+        yield system.env(), lambda: True
+    finally:
+        system.broker.process.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("output", ["read", "stalled"])
+@pytest.mark.parametrize("behaviour", ["answering", "stopped", "silent"])
+def test_ctrl_c_ends_top_at_once_whatever_it_waits_on(
+    system: System, cpu_hogs: int, behaviour: str, output: str
+) -> None:
+    # Given every core busy, and top running on a broker that answers, or not at all
+    with broker(system, behaviour) as (env, waiting), top_on(env) as terminal:
+        if behaviour == "silent":
+            # (waiting on its first answer: nothing is drawn before it)
+            wait_until(waiting, timeout=30, message="top to connect to the broker")
+        else:
+            shown = "queue depth" if behaviour == "answering" else "unreachable"
+            terminal.wait_for(lambda lines: any(shown in line for line in lines), 30, shown)
+        # And a terminal that reads top's output, or has stopped taking it
+        if output == "stalled":
+            terminal.stall()
+
+        # When Ctrl-C is pressed, Then top exits at once, with status 0
+        assert terminal.interrupt() == 0
+
+        # And the terminal is as top found it: the cursor shown, lines and echo back on
+        modes = terminal.finish()
+        assert not terminal.screen.cursor.hidden
+        assert modes[3] & termios.ICANON and modes[3] & termios.ECHO
+
+
 def test_stats_shows_the_numbers_top_shows(system: System) -> None:
     # Given a worker that applied 2 saves
     system.start_worker()
@@ -231,7 +329,6 @@ def test_top_fits_80_by_24_says_q_quits_and_quits_on_q(system: System) -> None:
         # When q is pressed, Then top exits cleanly
         os.write(terminal.master, b"q")
         assert terminal.process.wait(timeout=10) == 0
-        os.close(terminal.master)
 
 
 def test_top_once_exits_1_when_the_broker_cannot_be_read(system: System) -> None:

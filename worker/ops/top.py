@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import signal
 import sys
 import termios
 import time
@@ -27,7 +28,8 @@ import tty
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from types import FrameType
+from typing import IO, Any
 
 from rich import box
 from rich.console import Group, RenderableType
@@ -39,6 +41,7 @@ from checkpointq.store.errors import StoreUnavailable
 from checkpointq.store.urls import redact_url, redact_urls
 from checkpointq.tasks.errors import BrokerUnavailable
 from checkpointq.worker import connections
+from checkpointq.worker.console import quiet_stdout
 from checkpointq.worker.ops import broker_probe, health
 from checkpointq.worker.settings import Settings
 
@@ -397,13 +400,65 @@ def run(settings: Settings, *, interval: float = 1.0, once: bool = False) -> boo
     if once:
         console.print(frame())
         return failed is None
-    with _keys() as key, Live(frame(), console=console, auto_refresh=False, screen=False) as live:
+    with _keys() as key:
         try:
-            while key(interval) not in ("q", "Q"):
-                live.update(frame(), refresh=True)
-        except KeyboardInterrupt:
-            pass
+            with (
+                _interruptible(console.file, QUIT_DEADLINE),
+                Live(frame(), console=console, auto_refresh=False, screen=False) as live,
+            ):
+                while key(interval) not in ("q", "Q"):
+                    live.update(frame(), refresh=True)
+        except (KeyboardInterrupt, _Abandoned):
+            # Ctrl-C; the last frame drawn, or not: nothing left in stdout's buffer may hold
+            # the exit (``main`` flushes it, and the terminal may take no more).
+            quiet_stdout()
     return True
+
+
+#: Seconds ``top`` may take to wind down after Ctrl-C (close its connections, draw its last
+#: frame, show the cursor) before it leaves what it was waiting on.
+QUIT_DEADLINE = 0.5
+
+
+class _Abandoned(BaseException):
+    """The view did not wind down within ``QUIT_DEADLINE`` of Ctrl-C. (Not an
+    ``Exception``, like ``KeyboardInterrupt``, so that no library's handler swallows it.)"""
+
+
+@contextlib.contextmanager
+def _interruptible(output: IO[str], deadline: float) -> Iterator[None]:
+    """Ctrl-C raises ``KeyboardInterrupt`` as usual, drops the output the terminal has not
+    shown yet, and leaves ``deadline`` seconds to wind down, after which ``_Abandoned`` is
+    raised in whatever still waits.
+
+    Python raises ``KeyboardInterrupt`` once, in the call that was waiting; what runs after
+    it may wait again with nothing to interrupt it. The usual wait is the terminal: one that
+    is slow or not read (or stopped with Ctrl-S) fills its buffer, and the last frame and
+    the cursor wait for room. Dropping the frames not yet shown makes room, as the terminal
+    does itself when Ctrl-C is typed at it (but not for ``kill -INT``); the deadline covers
+    the rest.
+    """
+
+    def interrupted(signum: int, frame: FrameType | None) -> None:
+        if output.isatty():
+            termios.tcflush(output.fileno(), termios.TCOFLUSH)
+        if signal.getitimer(signal.ITIMER_REAL)[0] == 0:  # again: the first one's deadline
+            signal.setitimer(signal.ITIMER_REAL, deadline)
+        raise KeyboardInterrupt
+
+    def late(signum: int, frame: FrameType | None) -> None:
+        raise _Abandoned
+
+    before_interrupt = signal.signal(signal.SIGINT, interrupted)
+    before_alarm = signal.signal(signal.SIGALRM, late)
+    try:
+        yield
+    finally:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        finally:
+            signal.signal(signal.SIGINT, before_interrupt)
+            signal.signal(signal.SIGALRM, before_alarm)
 
 
 @contextlib.contextmanager
@@ -435,4 +490,5 @@ def _keys() -> Iterator[Callable[[float], str | None]]:
     try:
         yield key
     finally:
-        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+        # Now, not once output drains (TCSADRAIN): a terminal that is not read never drains.
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
