@@ -465,7 +465,7 @@ def settle_command(keys: KeySpace, settled: Sequence[Settlement]) -> tuple[list[
             keys.legacy_pending_value(request_id),
         ]
         values = "0" if keep_value else "2" if legacy_staged else "1"
-        op = "delete" if deleted else "save"
+        op = DELETE_OP if deleted else SAVE_OP
         args += [session_id, request_id, "" if seq is None else str(seq), op, values]
     return script_keys, args
 
