@@ -10,6 +10,7 @@ import pytest
 import redis
 
 from tests.support import gostore
+from tests.support.postgres import PostgresServer
 from tests.support.servers import RedisServer
 
 
@@ -53,3 +54,12 @@ def gostore_binary(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tests/go/gostore, built once per run (tests/support/gostore.py); skips without Go."""
     out = tmp_path_factory.mktemp("go") / "gostore"
     return gostore.build(out, tmp_path_factory.mktemp("gopath"))
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """One private PostgreSQL server for the whole run (initdb on a free port, in a temp
+    directory; never the machine's shared one); tests isolate themselves by schema."""
+    server = PostgresServer().start()
+    yield server
+    server.cleanup()

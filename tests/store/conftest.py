@@ -5,7 +5,8 @@ Redis store on a real ``redis-server`` (twice: as configured, and staging every 
 path large values take: ``RedisStore.stage_from_bytes``; and a third time writing through
 redis-py's pipeline, as on a redis-py the hand-sent path is not proven on:
 ``store/redis_hooks.py``) and on a local 3-master Redis
-Cluster (started only when a test of that backend runs). Tests say "let this much time pass" through
+Cluster, and on a private PostgreSQL server, a schema per test (each started only when a
+test of that backend runs). Tests say "let this much time pass" through
 ``StoreEnv.pass_time``: the in-memory store's clock is advanced at once; Redis stores keep
 real time (Redis expires keys by its own clock), so the call polls until the time has passed.
 """
@@ -14,20 +15,32 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import fakeredis
+import psycopg
 import pytest
 import redis
 
 from checkpointq.store import CheckpointStore, InMemoryStore, RedisStore, StoreOptions, redis_hooks
+from checkpointq.store.postgres import PostgresStore
 from tests.support.clocks import FakeClock
 from tests.support.cluster import LocalCluster
+from tests.support.postgres import PostgresServer
 from tests.support.servers import RedisServer
 
-BACKENDS = ["memory", "fakeredis", "redis", "redis-staged", "redis-pipeline", "cluster"]
+BACKENDS = [
+    "memory",
+    "fakeredis",
+    "redis",
+    "redis-staged",
+    "redis-pipeline",
+    "cluster",
+    "postgres",
+]
 _prefixes = itertools.count()
 
 
@@ -38,10 +51,18 @@ class StoreEnv:
     backend: str
     make: Callable[[StoreOptions | None], CheckpointStore]
     clock: FakeClock | None
-    raw: Any  # the redis client behind Redis stores, None for memory
+    raw: Any  # the redis client (or psycopg connection) behind the store, None for memory
+    #: A store sharing nothing with those made before it (a prefix or a schema of its own).
+    make_fresh: Callable[[StoreOptions | None], CheckpointStore] | None = None
 
     def store(self, **options: Any) -> CheckpointStore:
         return self.make(StoreOptions(**options) if options else None)
+
+    def fresh(self, **options: Any) -> CheckpointStore:
+        """A store on this backend that sees nothing of the others (a new prefix, a new
+        schema, a new in-memory store on the same clock)."""
+        make = self.make_fresh or self.make
+        return make(StoreOptions(**options) if options else None)
 
     def pass_time(self, seconds: float) -> None:
         if self.clock is not None:
@@ -57,6 +78,11 @@ class StoreEnv:
         a new TTL is another writer's, which the sweep leaves alone: test_mixed_writers)."""
         if isinstance(store, InMemoryStore):
             store.inject_raw(session_id, value)
+        elif isinstance(store, PostgresStore):
+            self.raw.execute(
+                f"UPDATE {store.schema}.sessions SET value = %s WHERE session_id = %s",
+                (value, session_id.encode()),
+            )
         else:
             assert isinstance(store, RedisStore)
             store.client.set(store.keys.data(session_id), value, keepttl=True)
@@ -71,7 +97,10 @@ def store_env(request: pytest.FixtureRequest) -> Iterator[StoreEnv]:
         def make_memory(options: StoreOptions | None) -> CheckpointStore:
             return InMemoryStore(options, clock=clock)
 
-        yield StoreEnv(backend, make_memory, clock, None)
+        yield StoreEnv(backend, make_memory, clock, None, make_memory)
+        return
+    if backend == "postgres":
+        yield from _postgres_env(request.getfixturevalue("postgres_server"))
         return
     if backend == "fakeredis":
         client: Any = fakeredis.FakeRedis(server=fakeredis.FakeServer())
@@ -80,22 +109,53 @@ def store_env(request: pytest.FixtureRequest) -> Iterator[StoreEnv]:
         client = cluster.client()
         client.flushall()
     else:
-        server: RedisServer = request.getfixturevalue("redis_server")
-        client = server.client()
+        redis_server: RedisServer = request.getfixturevalue("redis_server")
+        client = redis_server.client()
         client.flushall()
         if backend == "redis-pipeline":
             monkeypatch: pytest.MonkeyPatch = request.getfixturevalue("monkeypatch")
             monkeypatch.setattr(redis_hooks, "refusal", lambda: "as if unproven")
     prefix = f"t{next(_prefixes)}"
 
-    def make_redis(options: StoreOptions | None) -> CheckpointStore:
+    def make_redis(options: StoreOptions | None, prefix: str = prefix) -> CheckpointStore:
         store = RedisStore(client, prefix=prefix, options=options)
         if backend == "redis-staged":
             store.stage_from_bytes = 0
         return store
 
-    yield StoreEnv(backend, make_redis, None, client)
+    def fresh_redis(options: StoreOptions | None) -> CheckpointStore:
+        return make_redis(options, f"t{next(_prefixes)}")
+
+    yield StoreEnv(backend, make_redis, None, client, fresh_redis)
     client.close()
+
+
+def _postgres_env(server: PostgresServer) -> Iterator[StoreEnv]:
+    """The PostgreSQL backend: a schema per test, and one per ``fresh`` store."""
+    schemas = [f"t{next(_prefixes)}"]
+    made: list[PostgresStore] = []
+    # A property test makes a fresh store per example: only the two newest stay open
+    # (test_batch compares two), so that the connections do not pile up.
+    recent: deque[PostgresStore] = deque()
+
+    def make(options: StoreOptions | None, schema: str = "") -> PostgresStore:
+        store = PostgresStore(server.url, schema=schema or schemas[0], options=options)
+        made.append(store)
+        return store
+
+    def fresh(options: StoreOptions | None) -> CheckpointStore:
+        schemas.append(f"t{next(_prefixes)}")
+        recent.append(make(options, schemas[-1]))
+        if len(recent) > 2:
+            recent.popleft().close()
+        return recent[-1]
+
+    with psycopg.connect(server.url, autocommit=True) as conn:
+        yield StoreEnv("postgres", make, None, conn, fresh)
+        for store in made:
+            store.close()
+        for schema in schemas:
+            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from checkpointq.store import (
     RedisStore,
     SaveResult,
 )
-from checkpointq.store.base import BatchOp, BatchResult, DeleteOp, SaveOp, StoreOptions
+from checkpointq.store.base import BatchOp, BatchResult, DeleteOp, SaveOp
 from tests.store.conftest import StoreEnv
 from tests.support.checkpoints import make_checkpoint
 
@@ -29,8 +29,7 @@ _fresh = itertools.count()
 def _fresh_store(env: StoreEnv, **options: Any) -> CheckpointStore:
     if env.backend == "memory":
         return env.store(**options)
-    opts = StoreOptions(**options) if options else None
-    return RedisStore(env.raw, prefix=f"batch{next(_fresh)}", options=opts)
+    return env.fresh(**options)
 
 
 def test_batch_applies_saves_and_deletes_in_order_each_fenced(store: CheckpointStore) -> None:

@@ -8,7 +8,7 @@ import time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from checkpointq.store import Checkpoint, CheckpointStore, InMemoryStore, RedisStore
+from checkpointq.store import Checkpoint, CheckpointStore, InMemoryStore
 from checkpointq.store.ordering import SEQ_TIME_FLOOR
 from tests.store.conftest import StoreEnv
 from tests.support.checkpoints import make_checkpoint
@@ -45,7 +45,7 @@ def deliveries(draw: st.DrawFn) -> tuple[list[tuple[bool, int, int]], list[int],
 def _fresh_store(env: StoreEnv) -> CheckpointStore:
     if env.backend == "memory":
         return InMemoryStore()
-    return RedisStore(env.raw, prefix=f"prop{next(_fresh)}")
+    return env.fresh()
 
 
 def _checkpoint(session: int, version: int, seq: int) -> Checkpoint:
