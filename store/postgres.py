@@ -46,9 +46,6 @@ from checkpointq.store.urls import redact_url, redact_urls
 
 logger = logging.getLogger(__name__)
 
-#: URL schemes that name a PostgreSQL store.
-POSTGRES_SCHEMES = frozenset({"postgresql", "postgres"})
-
 #: Seconds to wait for a connection before the store is called unavailable.
 CONNECT_TIMEOUT = 5
 
@@ -85,11 +82,6 @@ class PostgresSettings(Protocol):
     def resolved_store_url(self) -> str | None: ...
 
     def store_options(self) -> StoreOptions: ...
-
-
-def is_postgres_url(url: str | None) -> bool:
-    """Whether ``url`` names a PostgreSQL database (``postgresql://`` or ``postgres://``)."""
-    return bool(url) and str(url).split("://", 1)[0].lower() in POSTGRES_SCHEMES
 
 
 def describe(exc: BaseException) -> str:

@@ -36,6 +36,8 @@ REDIS_SCHEMES = frozenset({"redis", "rediss", "unix", "redis+socket", "socket"})
 SENTINEL_SCHEMES = frozenset({"sentinel", "sentinels"})
 #: RabbitMQ.
 AMQP_SCHEMES = frozenset({"amqp", "amqps", "pyamqp"})
+#: PostgreSQL (a store only: ``store/postgres.py``).
+POSTGRES_SCHEMES = frozenset({"postgresql", "postgres"})
 #: The broker schemes named in "unsupported scheme" errors, in the order a reader looks.
 SUPPORTED_BROKER_SCHEMES = ("redis", "rediss", "unix", "sentinel", "amqp", "amqps")
 
@@ -69,6 +71,11 @@ def scheme_of(url: str) -> str:
 def is_redis_url(url: str) -> bool:
     """Whether ``url`` names one plain Redis server (any spelling; not Sentinel, not AMQP)."""
     return scheme_of(url) in REDIS_SCHEMES
+
+
+def is_postgres_url(url: str | None) -> bool:
+    """Whether ``url`` names a PostgreSQL database (``postgresql://`` or ``postgres://``)."""
+    return url is not None and scheme_of(url) in POSTGRES_SCHEMES
 
 
 def redis_py_url(url: str) -> str:

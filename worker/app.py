@@ -14,6 +14,7 @@ import redis
 from celery import Celery
 
 from checkpointq.store.errors import CheckpointError
+from checkpointq.store.factory import store_from_settings
 from checkpointq.store.keys import KeySpace
 from checkpointq.store.redis import RedisStore
 from checkpointq.store.urls import is_redis_url, kombu_url, redact_url, redis_py_url
@@ -153,15 +154,24 @@ def _reserve_options(settings: Settings) -> dict[str, Any]:
 
 def build_runtime(settings: Settings) -> Runtime:
     """The store, dead letters and policy the tasks run against (connects lazily)."""
-    store = RedisStore.from_settings(settings)
-    # The store's own layout: on a cluster, keys carry hash tags and the index is sharded.
-    keys = store.keys
+    store = store_from_settings(settings)
+    if isinstance(store, RedisStore):
+        # The store's own layout: on a cluster, keys carry hash tags and the index is sharded.
+        keys, side = store.keys, store.client
+    else:
+        # Dead letters, events and the sweep lock live on the broker beside a database.
+        keys = KeySpace(settings.key_prefix)
+        side = redis.Redis.from_url(
+            redis_py_url(settings.resolved_redis_url or ""),
+            socket_timeout=5,
+            socket_connect_timeout=5,
+        )
     logger.info("store %s", store)
     return Runtime(
         store=store,
-        redis=store.client,
+        redis=side,
         keys=keys,
-        dead_letters=DeadLetters(store.client, keys, maxlen=settings.dead_letter_maxlen),
+        dead_letters=DeadLetters(side, keys, maxlen=settings.dead_letter_maxlen),
         retry=RetryPolicy(
             max_retries=settings.retry_max,
             base_seconds=settings.retry_backoff_seconds,

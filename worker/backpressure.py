@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from celery import Celery, bootsteps
@@ -155,6 +157,29 @@ class _StoreProbe:
             self.client = None
 
 
+class _DatabaseProbe:
+    """The write probe of a PostgreSQL store (``PostgresStore.write_refusal``): run on a
+    thread of its own, so that a database that stops answering mid-query (no client-side
+    timeout can end a psycopg call) never holds the consumer's event loop."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.store = connections.open_store(settings)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpointq-probe")
+        self.running: Future[str | None] | None = None
+
+    def __call__(self) -> str | None:
+        if self.running is None or self.running.done():
+            self.running = self.pool.submit(self.store.write_refusal)
+        try:
+            return self.running.result(timeout=PROBE_TIMEOUT)
+        except FutureTimeout:
+            return f"no answer in {PROBE_TIMEOUT:.0f}s (the probe write still waits)"
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.store.close()
+
+
 class _BrokerProbe:
     """The worker's write probe of its broker: ``broker_probe``'s, made on first use."""
 
@@ -203,7 +228,7 @@ def install(app: Celery, settings: Settings) -> None:
         requires = ("celery.worker.consumer.tasks:Tasks",)
 
         def __init__(self, consumer: Any, **kwargs: Any) -> None:
-            self._probe: _StoreProbe | None = None
+            self._probe: _StoreProbe | _DatabaseProbe | None = None
             self._broker: _BrokerProbe | None = None
             self._tref: Any = None
             #: The gate of the consumer's last start, kept through a restart.
@@ -212,7 +237,9 @@ def install(app: Celery, settings: Settings) -> None:
         def start(self, consumer: Any) -> None:
             global _current
             resolved = connections.resolve(settings)
-            self._probe = _StoreProbe(resolved)
+            self._probe = (
+                _DatabaseProbe(resolved) if resolved.store_is_postgres else _StoreProbe(resolved)
+            )
             self._broker = _BrokerProbe(resolved)
             gate = StoreGate(consumer, self._probe, self._broker)
             if self._gate is not None:

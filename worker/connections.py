@@ -11,10 +11,11 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
+from checkpointq.store.base import CheckpointStore
 from checkpointq.store.cluster import cluster_client_from_url
 from checkpointq.store.errors import CheckpointError
+from checkpointq.store.factory import store_from_settings
 from checkpointq.store.keys import KeySpace
-from checkpointq.store.redis import RedisStore
 from checkpointq.store.redis import layout as store_layout
 from checkpointq.store.urls import is_cluster_url, redis_py_url
 from checkpointq.worker.embedded import EmbeddedRedis
@@ -77,19 +78,21 @@ def _required(url: str | None) -> str:
 
 
 def store_client(settings: Settings, timeout: float = CLI_SOCKET_TIMEOUT) -> Any:
-    """A client of the store Redis (sweep lock, events, dead letters, heartbeats): a
+    """A client of the Redis beside the store (sweep lock, events, dead letters,
+    heartbeats: the store's own, or the broker's beside a PostgreSQL store): a
     ``redis.Redis``, or a ``RedisCluster`` for a cluster URL (which connects at once)."""
-    url = redis_py_url(_required(settings.resolved_store_url))
+    url = redis_py_url(_required(settings.resolved_redis_url))
     if is_cluster_url(url):
         return cluster_client_from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
     return redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
 
 
-def open_store(settings: Settings) -> RedisStore:
+def open_store(settings: Settings) -> CheckpointStore:
     """The checkpoint store the workers write, for reading it directly."""
-    return RedisStore.from_settings(settings, socket_timeout=CLI_SOCKET_TIMEOUT)
+    return store_from_settings(settings, socket_timeout=CLI_SOCKET_TIMEOUT)
 
 
 def key_space(settings: Settings) -> KeySpace:
-    """The store's key layout, as the store itself derives it from its URL and prefix."""
-    return store_layout(settings.resolved_store_url or "", settings.key_prefix)
+    """The key layout of the Redis beside the store, as the store itself derives it from
+    its URL and prefix."""
+    return store_layout(settings.resolved_redis_url or "", settings.key_prefix)

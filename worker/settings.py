@@ -14,10 +14,12 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from checkpointq.store.base import StoreOptions
 from checkpointq.store.keys import DEFAULT_PREFIX, check_prefix
+from checkpointq.store.postgres_schema import DEFAULT_SCHEMA, check_schema_name
 from checkpointq.store.urls import (
     SUPPORTED_BROKER_SCHEMES,
     check_url,
     is_cluster_url,
+    is_postgres_url,
     redact_url,
     scheme_of,
 )
@@ -37,11 +39,19 @@ class Settings(BaseSettings):
     #: up` starts an embedded Redis under ``data_dir``, and ``Settings()`` anywhere (every
     #: command, a Python producer) finds it there while it runs.
     broker_url: str | None = None
-    #: Store Redis URL: ``redis://``, ``rediss://``, ``unix://``, or a Redis Cluster
-    #: (``redis+cluster://host:port[,host:port...]`` or ``...?cluster=true``). Unset: the
+    #: Store URL: a Redis (``redis://``, ``rediss://``, ``unix://``), a Redis Cluster
+    #: (``redis+cluster://host:port[,host:port...]`` or ``...?cluster=true``), or PostgreSQL
+    #: (``postgresql://user:password@host:5432/db``: needs ``checkpointq[postgres]`` and a
+    #: plain Redis broker, which then keeps the dead letters and events). Unset: the
     #: broker's, which only works for a plain Redis broker; required with RabbitMQ or
     #: Sentinel (``docs/scaling.md``).
     store_url: str | None = None
+    #: PostgreSQL store only: the schema (namespace) its tables live in.
+    pg_schema: str = DEFAULT_SCHEMA
+    #: PostgreSQL store only: create or upgrade the schema on first use (under a lock, once
+    #: per version). Off: a missing or older schema is an error until `checkpointq db
+    #: upgrade` runs it.
+    pg_auto_upgrade: bool = True
     #: Sentinel brokers (``sentinel://host:port;sentinel://host:port``): the master's name
     #: as the sentinels know it (``sentinel monitor <name> ...``).
     sentinel_master: str | None = None
@@ -227,6 +237,11 @@ class Settings(BaseSettings):
     def _url_is_readable(cls, url: str | None) -> str | None:
         return None if url is None else check_url(url)
 
+    @field_validator("pg_schema")
+    @classmethod
+    def _schema_is_identifier(cls, schema: str) -> str:
+        return check_schema_name(schema)
+
     @field_validator("key_prefix")
     @classmethod
     def _prefix_cannot_nest(cls, prefix: str) -> str:
@@ -259,6 +274,11 @@ class Settings(BaseSettings):
                 f"store_url is required with a {kind.value} broker (the store needs a Redis "
                 "URL of its own)"
             )
+        if self.store_is_postgres and kind is not BrokerKind.REDIS:
+            raise ValueError(
+                "a PostgreSQL store needs a plain Redis broker (redis://, rediss://, unix://): "
+                "it keeps the pending records, dead letters and events beside the queue"
+            )
         if kind is BrokerKind.SENTINEL and not self.sentinel_master:
             raise ValueError("sentinel_master is required with a sentinel:// broker")
         if self.broker_url and self.resolved_beat_url is None:
@@ -278,11 +298,25 @@ class Settings(BaseSettings):
         return None
 
     @property
+    def store_is_postgres(self) -> bool:
+        """Whether the store is a PostgreSQL database (``store/postgres.py``)."""
+        return is_postgres_url(self.resolved_store_url)
+
+    @property
+    def resolved_redis_url(self) -> str | None:
+        """The Redis that keeps what lives beside the checkpoints: dead letters and
+        refusals, events, the sweep lock, worker heartbeats. The store's when the store is a
+        Redis; the broker's when the store is PostgreSQL."""
+        if self.store_is_postgres:
+            return self.broker_url
+        return self.resolved_store_url
+
+    @property
     def resolved_beat_url(self) -> str | None:
         """Where RedBeat keeps the schedule: a plain Redis (RedBeat cannot use a cluster)."""
         if self.beat_url:
             return self.beat_url
-        store = self.resolved_store_url
+        store = self.resolved_redis_url
         if store and not is_cluster_url(store):
             return store
         if self.broker_url and broker_kind(self.broker_url) is BrokerKind.REDIS:

@@ -33,9 +33,9 @@ import orjson
 from checkpointq.store.base import CheckpointStore, EncodedCheckpoint, Fence, StoreOptions
 from checkpointq.store.codec import zstd_bound
 from checkpointq.store.errors import InvalidInput
+from checkpointq.store.factory import store_from_settings
 from checkpointq.store.keys import KeySpace
 from checkpointq.store.model import Checkpoint, validate_session_id
-from checkpointq.store.redis import RedisStore
 from checkpointq.store.serde import checkpoint_from_wire, dumps_go, serialize_checkpoint
 from checkpointq.store.urls import kombu_url, redact_url
 from checkpointq.tasks import brokers, messages
@@ -72,6 +72,8 @@ class ClientSettings(Protocol):
 
     broker_url: str | None
     key_prefix: str
+    pg_schema: str
+    pg_auto_upgrade: bool
     queue: str
     max_message_bytes: int
     compress_messages: bool
@@ -251,7 +253,7 @@ class CheckpointClient:
                 "no broker URL: set CHECKPOINTQ_BROKER_URL, or run `checkpointq up` in this "
                 "directory (Settings() finds its embedded Redis)"
             )
-        store = RedisStore.from_settings(settings)
+        store = store_from_settings(settings)
         return cls(
             settings.broker_url,
             store,

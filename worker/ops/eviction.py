@@ -180,13 +180,13 @@ def check(settings: Settings, broker: Any | None, store: Any | None) -> list[Evi
         store: a client of the store (a single Redis or a cluster); None when it did not
             answer.
     """
-    same = settings.resolved_store_url == settings.broker_url
+    same = settings.resolved_redis_url == settings.broker_url
     found = []
     if broker is not None:
         roles = (BROKER, STORE) if same else (BROKER,)
         found += warnings_for(roles, redact_url(settings.broker_url or ""), broker)
     if store is not None and not same:
-        found += warnings_for((STORE,), redact_url(settings.resolved_store_url or ""), store)
+        found += warnings_for((STORE,), redact_url(settings.resolved_redis_url or ""), store)
     return found
 
 

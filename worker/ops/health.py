@@ -32,6 +32,7 @@ from celery.worker import state as worker_state
 from redis.exceptions import RedisClusterException
 
 from checkpointq.store import probe
+from checkpointq.store.errors import CheckpointError
 from checkpointq.store.keys import KeySpace
 from checkpointq.store.urls import redact_url, redis_py_url
 from checkpointq.tasks.errors import BrokerUnavailable
@@ -240,7 +241,7 @@ def next_sweep(settings: Settings, client: Any) -> float | None:
     beat_url = settings.resolved_beat_url
     if beat_url is None:
         return None
-    if beat_url == settings.resolved_store_url:
+    if beat_url == settings.resolved_redis_url:
         score = client.zscore(app.redbeat_conf.schedule_key, entry_key)
     else:
         beat_client = _client(beat_url)
@@ -322,8 +323,13 @@ def _ping_broker(settings: Settings, probe: broker_probe.BrokerProbe) -> tuple[C
 def _ping_store(settings: Settings) -> tuple[Check, Any]:
     """PING the store (a single Redis or a cluster: ``connections.store_client``), then
     write to it: a store that answers but refuses writes (out of memory, read-only) stops
-    every request, and workers pause meanwhile (``worker/backpressure.py``)."""
+    every request, and workers pause meanwhile (``worker/backpressure.py``).
+
+    A PostgreSQL store is asked by a probe write to its own table; the client returned is
+    then the broker's Redis, which keeps the heartbeats beside it."""
     where = redact_url(settings.resolved_store_url or "")
+    if settings.store_is_postgres:
+        return _ping_database(settings, where)
     client = None
     try:
         # A cluster client connects (and may fail) as it is built.
@@ -334,6 +340,24 @@ def _ping_store(settings: Settings) -> tuple[Check, Any]:
             client.close()
         return Check("store", False, f"{where} unreachable ({type(exc).__name__})"), None
     refusal = probe.write_refusal(client, connections.key_space(settings).write_probe())
+    if refusal is not None:
+        return Check("store", False, f"{where} refusing writes: {refusal}"), client
+    return Check("store", True, f"{where} answers and accepts writes"), client
+
+
+def _ping_database(settings: Settings, where: str) -> tuple[Check, Any]:
+    try:
+        store = connections.open_store(settings)
+    except CheckpointError as exc:
+        return Check("store", False, f"{where}: {exc}"), None
+    try:
+        refusal = store.write_refusal()
+    finally:
+        store.close()
+    try:
+        client = connections.store_client(settings, timeout=CHECK_TIMEOUT)
+    except (redis.RedisError, RedisClusterException):
+        client = None
     if refusal is not None:
         return Check("store", False, f"{where} refusing writes: {refusal}"), client
     return Check("store", True, f"{where} answers and accepts writes"), client

@@ -34,8 +34,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 from redis.exceptions import RedisClusterException, RedisError
 
+from checkpointq.store.base import CheckpointStore
 from checkpointq.store.errors import StoreUnavailable
-from checkpointq.store.redis import RedisStore
 from checkpointq.tasks import observers
 from checkpointq.tasks.errors import BrokerUnavailable
 from checkpointq.tasks.observers import Observation, Received
@@ -250,13 +250,15 @@ class RedisGauges:
         self._keys = connections.key_space(resolved)
         self._broker = broker_probe.open_probe(resolved)
         # A cluster client connects as it is built: opened on the first scrape instead.
-        self._store: RedisStore | None = None
+        self._store: CheckpointStore | None = None
+        self._side: Any = None  # the Redis beside the store (dead letters)
         self._store_lock = threading.Lock()
 
     def close(self) -> None:
         self._broker.close()
         if self._store is not None:
             self._store.close()
+            self._side.close()
 
     def describe(self) -> list[Metric]:
         return []  # no pre-registration checks: names are fixed and documented
@@ -303,8 +305,9 @@ class RedisGauges:
         with self._store_lock:  # overlapping scrapes build one store
             if self._store is None:
                 self._store = connections.open_store(self._settings)
+                self._side = connections.store_client(self._settings)
         store = self._store
-        dead = int(store.client.xlen(self._keys.dead_letters()))
+        dead = int(self._side.xlen(self._keys.dead_letters()))
         sessions = store.count_sessions()
         return dead, sessions.live, sessions.expired
 

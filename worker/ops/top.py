@@ -36,7 +36,6 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from checkpointq.store import probe as store_probe
 from checkpointq.store.errors import StoreUnavailable
 from checkpointq.store.urls import redact_url, redact_urls
 from checkpointq.tasks.errors import BrokerUnavailable
@@ -107,18 +106,20 @@ def collect(settings: Settings) -> Snapshot:
     with broker_probe.open_probe(settings) as probe:
         queued = probe.queue(settings.queue, oldest=True)
     store = connections.open_store(settings)
+    side = connections.store_client(settings)
     try:
         now = time.time()
-        pipe = store.client.pipeline(transaction=False)
+        pipe = side.pipeline(transaction=False)
         pipe.xlen(keys.dead_letters())
         pipe.xlen(keys.events())
         dead, events = (int(v) for v in pipe.execute())
         sessions = store.count_sessions(now)
-        workers = health.live_workers(store.client, keys)
-        next_sweep = health.next_sweep(settings, store.client)
-        refusal = store_probe.write_refusal(store.client, keys.write_probe())
+        workers = health.live_workers(side, keys)
+        next_sweep = health.next_sweep(settings, side)
+        refusal = store.write_refusal()
     finally:
         store.close()
+        side.close()
     made = queued.oldest_seq
     return Snapshot(
         time=now,
