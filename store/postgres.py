@@ -172,7 +172,11 @@ class PostgresStore(CheckpointStore):
             application_name="checkpointq",
         )
         if not self._schema_checked:
-            postgres_schema.check(conn, self.schema, auto_upgrade=self.auto_upgrade)
+            try:
+                postgres_schema.check(conn, self.schema, auto_upgrade=self.auto_upgrade)
+            except BaseException:
+                conn.close()
+                raise
             self._schema_checked = True
         with self._lock:
             self._connections.append(conn)

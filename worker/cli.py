@@ -25,6 +25,7 @@ from redis.exceptions import RedisClusterException
 
 from checkpointq.store.base import Fence
 from checkpointq.store.errors import CheckpointError
+from checkpointq.store.factory import MissingExtra as MissingDriver
 from checkpointq.store.keys import KeySpace
 from checkpointq.store.model import Checkpoint, display_id
 from checkpointq.store.serde import checkpoint_from_wire, checkpoint_to_wire, loads_json
@@ -125,6 +126,8 @@ class _Cli(click.Group):
             # The reader went away (`checkpointq ls | head -1`): what it wanted was printed.
             quiet_stdout()
             raise click.exceptions.Exit(0) from None
+        except MissingDriver as exc:  # a PostgreSQL store URL without the postgres extra
+            raise MissingExtra(str(exc)) from None
         except CheckpointError as exc:
             raise CliFailure(str(exc)) from None
         except (redis.RedisError, RedisClusterException) as exc:
@@ -1050,6 +1053,74 @@ def dlq_purge(as_json: bool) -> None:
     finally:
         letters.client.close()
     _emit(as_json, {"removed": removed}, [f"removed {removed} dead letter(s)"])
+
+
+# -- the database ----------------------------------------------------------------------------
+
+
+@cli.group()
+def db() -> None:
+    """A PostgreSQL store's schema: see its version, upgrade it."""
+
+
+def _database(settings: Settings) -> Any:
+    """A connection to the PostgreSQL store (autocommit), or a clear error."""
+    if not settings.store_is_postgres:
+        raise CliFailure(
+            "the store is not PostgreSQL: set CHECKPOINTQ_STORE_URL=postgresql://... "
+            "(a Redis store has no schema to upgrade)"
+        )
+    try:
+        import psycopg
+    except ImportError:
+        raise MissingExtra(
+            "a PostgreSQL store needs psycopg: pip install 'checkpointq[postgres]'"
+        ) from None
+    url = settings.resolved_store_url or ""
+    try:
+        return psycopg.connect(url, autocommit=True, connect_timeout=5)
+    except psycopg.Error as exc:
+        raise CliFailure(f"{redact_url(url)}: {redact_urls(str(exc).strip())}") from None
+
+
+@db.command(name="upgrade", short_help="Create or upgrade the store's schema (idempotent).")
+@json_option
+def db_upgrade(as_json: bool) -> None:
+    """Create the PostgreSQL store's schema, or bring it to this version; safe to run again
+    and from several places at once (one upgrades, under a lock; the others find it done)."""
+    from checkpointq.store import postgres_schema
+
+    settings = _settings(resolve=False)
+    with _database(settings) as conn:
+        try:
+            applied = postgres_schema.upgrade(conn, settings.pg_schema)
+        except postgres_schema.SchemaMismatch as exc:
+            raise CliFailure(str(exc)) from None
+    version = postgres_schema.SCHEMA_VERSION
+    human = (
+        [f"schema {settings.pg_schema}: upgraded to version {version} (applied {applied})"]
+        if applied
+        else [f"schema {settings.pg_schema}: already at version {version}"]
+    )
+    _emit(as_json, {"schema": settings.pg_schema, "version": version, "applied": applied}, human)
+
+
+@db.command(name="version", short_help="Print the schema version in the database.")
+@json_option
+def db_version(as_json: bool) -> None:
+    """The PostgreSQL store's schema version, and the one this checkpointq speaks."""
+    from checkpointq.store import postgres_schema
+
+    settings = _settings(resolve=False)
+    with _database(settings) as conn:
+        found = postgres_schema.current_version(conn, settings.pg_schema)
+    speaks = postgres_schema.SCHEMA_VERSION
+    state = "current" if found == speaks else ("missing" if found == 0 else "differs")
+    _emit(
+        as_json,
+        {"schema": settings.pg_schema, "version": found, "expected": speaks, "state": state},
+        [f"schema {settings.pg_schema}: version {found or 'none'} (this checkpointq: {speaks})"],
+    )
 
 
 def main() -> None:

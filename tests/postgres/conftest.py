@@ -94,12 +94,14 @@ def pg_deployment(
 
 @pytest.fixture
 def pg_live(pg_deployment: PgDeployment) -> Iterator[PgDeployment]:
-    """The deployment with an empty store and broker; the worker's log lines of the test
+    """The deployment with an empty store and no dead letters; the worker's log lines of the test
     are printed after it (pytest shows them when it fails)."""
     with pg_deployment.sql() as conn:
         conn.execute(f"TRUNCATE {pg_deployment.schema}.sessions")
+    # The broker keeps the worker's heartbeat: only the streams tests read are emptied.
+    keys = KeySpace(pg_deployment.settings.key_prefix)
     broker = pg_deployment.broker_client()
-    broker.flushall()
+    broker.delete(keys.dead_letters(), keys.events())
     broker.close()
     mark = len(pg_deployment.worker.log())
     yield pg_deployment

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from checkpointq.tasks.producer.client import CheckpointClient
 from tests.postgres.conftest import PgDeployment
 from tests.support.checkpoints import make_checkpoint
 
@@ -47,3 +48,25 @@ def test_a_delete_through_the_queue_leaves_a_tombstone_row(pg_live: PgDeployment
             (b"pg-del",),
         ).fetchone()
     assert row == (None, True)
+
+
+def test_a_load_merges_a_save_still_queued_with_the_rows(pg_live: PgDeployment) -> None:
+    # Given a producer publishing to a queue no worker consumes (its saves stay queued)
+    held = CheckpointClient.from_settings(
+        pg_live.settings.model_copy(update={"queue": "nobody-consumes"})
+    )
+    with pg_live.checkpoint_client() as client, held:
+        client.wait_durable(client.save(make_checkpoint("pg-merge", version=1)), timeout=15)
+        # When a newer save of the session waits in the queue
+        held.save(make_checkpoint("pg-merge", version=2))
+        # Then every load answers it, though the row still holds version 1
+        loaded = client.load("pg-merge")
+        assert loaded is not None and loaded.version == 2
+        store = pg_live.store()
+        row = store.load("pg-merge")
+        store.close()
+        assert row is not None and row.version == 1
+        # And a delete still queued hides the session from loads and lists
+        held.delete("pg-merge")
+        assert client.load("pg-merge") is None
+        assert "pg-merge" not in client.list()
