@@ -11,10 +11,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
-# 1. The dependencies with the worker's extra, at the versions of constraints.txt (the ones
-# the tests ran with), from pyproject.toml alone: a change to the code does not reinstall them.
+# 1. The dependencies with the worker's and postgres extras, at the versions of constraints.txt
+# (the ones the tests ran with), from pyproject.toml alone: a change to the code does not
+# reinstall them.
 COPY pyproject.toml constraints.txt ./
-RUN python -c "import tomllib; project = tomllib.load(open('pyproject.toml', 'rb'))['project']; deps = project['dependencies'] + project['optional-dependencies']['worker']; open('/tmp/requirements.txt', 'w').write('\n'.join(deps))" \
+RUN python -c "import tomllib; project = tomllib.load(open('pyproject.toml', 'rb'))['project']; deps = project['dependencies'] + project['optional-dependencies']['worker'] + project['optional-dependencies']['postgres']; open('/tmp/requirements.txt', 'w').write('\n'.join(deps))" \
  && pip install -r /tmp/requirements.txt -c constraints.txt \
  && rm /tmp/requirements.txt
 

@@ -235,7 +235,8 @@ class Settings(BaseSettings):
     @field_validator("broker_url", "store_url", "beat_url")
     @classmethod
     def _url_is_readable(cls, url: str | None) -> str | None:
-        return None if url is None else check_url(url)
+        # Empty counts as unset (compose's ${VAR:-} of a variable left empty).
+        return check_url(url) if url else None
 
     @field_validator("pg_schema")
     @classmethod

@@ -251,3 +251,36 @@ def test_dependencies_are_installed_pinned_before_the_code_is_copied(
     assert deps < code < install
     # And scripts/setup-env installs from the same constraints
     assert "-c constraints.txt" in (ROOT / "scripts" / "setup-env").read_text()
+
+
+def test_the_postgres_profile_runs_a_database_the_workers_wait_for(
+    compose: dict[str, Any],
+) -> None:
+    database = compose["services"]["postgres"]
+    # Only with --profile postgres, kept on a volume, checked before workers start
+    assert database["profiles"] == ["postgres"]
+    assert any(volume.startswith("postgres-data:") for volume in database["volumes"])
+    assert "postgres-data" in compose["volumes"]
+    assert database["healthcheck"]["test"][1] == "pg_isready"
+    assert "ports" not in database  # reached on the compose network only
+    for name in ("worker", "beat"):
+        waits = compose["services"][name]["depends_on"]["postgres"]
+        assert waits == {"condition": "service_healthy", "required": False}
+
+
+def test_a_store_url_from_env_points_the_workers_at_the_database(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    url = "postgresql://checkpointq:pg-pw@postgres:5432/checkpointq"
+    for dot_env, store in ((DOT_ENV, None), ({**DOT_ENV, "CHECKPOINTQ_STORE_URL": url}, url)):
+        # Given .env without and then with the postgres profile's store URL
+        environment = load_compose(dot_env)["services"]["worker"]["environment"]
+        for var, value in environment.items():
+            monkeypatch.setenv(var, str(value))
+        settings = Settings()
+        # Then empty, the broker's Redis is the store; set, the database is, and the
+        # broker's Redis keeps what lives beside it
+        assert settings.store_is_postgres == (store is not None)
+        assert settings.resolved_store_url == (store or settings.broker_url)
+        assert settings.resolved_redis_url == "redis://:s3cret-hex@redis:6379/0"
