@@ -24,6 +24,7 @@ from checkpointq.worker.embedded import pid_of
 from tests.cli.conftest import Cli, running
 from tests.cli.test_embedded import alive
 from tests.support.checkpoints import make_checkpoint
+from tests.support.postgres import PostgresServer
 from tests.support.servers import RedisServer, free_port, wait_until
 
 pytestmark = pytest.mark.integration
@@ -209,3 +210,37 @@ def test_up_with_a_broker_it_cannot_reach_names_the_url_in_one_line(cli_offline:
         f"checkpointq: error: cannot reach the broker at redis://:***@127.0.0.1:{port}/0: "
     ), errors
     assert "hunter2" not in done.stderr
+
+
+def test_up_with_one_variable_keeps_sessions_in_postgresql(
+    cli_offline: Cli, postgres_server: PostgresServer
+) -> None:
+    # Given `up` with nothing configured but a PostgreSQL store URL (and a schema of its own)
+    cli_offline.env["CHECKPOINTQ_STORE_URL"] = postgres_server.url
+    cli_offline.env["CHECKPOINTQ_PG_SCHEMA"] = "up_readme"
+    try:
+        with running_up(cli_offline) as system:
+            wait_until(
+                lambda: cli_offline.run("health").returncode == 0,
+                timeout=DEADLINE,
+                message="checkpointq up to serve, its store the database",
+            )
+            # When a checkpoint is saved from another process and waited for
+            document = {"sessionId": "pg-demo", "version": 3, "metadata": {}}
+            saved = cli_offline.run(
+                "save",
+                "-",
+                "--wait",
+                "--timeout",
+                str(DEADLINE),
+                input=json.dumps(document).encode(),
+            )
+            assert saved.returncode == 0, saved.stderr
+            # Then it is a row of the database, and show reads it back
+            assert postgres_server.psql("SELECT version FROM up_readme.sessions") == "3"
+            shown = cli_offline.run("show", "pg-demo", "--json")
+            assert json.loads(shown.stdout)["version"] == 3
+            system.send_signal(signal.SIGINT)
+            assert system.wait(timeout=DEADLINE) == 0
+    finally:
+        postgres_server.psql("DROP SCHEMA IF EXISTS up_readme CASCADE")
