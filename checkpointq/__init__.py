@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     )
     from checkpointq.store.memory import InMemoryStore
     from checkpointq.store.model import Checkpoint
+    from checkpointq.store.postgres import PostgresStore
     from checkpointq.store.redis import RedisStore
     from checkpointq.tasks.errors import BrokerUnavailable, RequestRefused, SeqRefused
     from checkpointq.tasks.producer.batching import BatchingClient
@@ -48,6 +49,7 @@ _HOMES = {
     "Settings": "checkpointq.worker.settings",
     "Checkpoint": "checkpointq.store.model",
     "RedisStore": "checkpointq.store.redis",
+    "PostgresStore": "checkpointq.store.postgres",
     "InMemoryStore": "checkpointq.store.memory",
     "StoreOptions": "checkpointq.store.base",
     "CheckpointError": "checkpointq.store.errors",
@@ -75,6 +77,7 @@ __all__ = [
     "InvalidCheckpoint",
     "InvalidInput",
     "InvalidSessionId",
+    "PostgresStore",
     "RedisStore",
     "RequestOutcome",
     "RequestRefused",

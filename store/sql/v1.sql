@@ -11,7 +11,9 @@
 -- Ids are bytea: a session id is any Go string (NUL included, which text cannot hold) and
 -- requests are ordered by their ids' bytes (store/ordering.py), which bytea compares.
 
-CREATE TABLE {schema}.sessions (
+-- IF NOT EXISTS: an operator may create the table first, partitioned by hash of session_id
+-- with the same columns (docs/scaling.md); every statement works on either.
+CREATE TABLE IF NOT EXISTS {schema}.sessions (
     session_id bytea PRIMARY KEY,
     -- NULL once the session is deleted, lapsed or expired: the row then keeps the fence
     value bytea,
@@ -30,9 +32,9 @@ CREATE TABLE {schema}.sessions (
 
 -- The sweep's index: only rows holding a value, by deadline. A sweep with nothing due reads
 -- one index page, whatever the number of sessions.
-CREATE INDEX sessions_due ON {schema}.sessions (value_deadline_ms) WHERE value IS NOT NULL;
+CREATE INDEX IF NOT EXISTS sessions_due ON {schema}.sessions (value_deadline_ms) WHERE value IS NOT NULL;
 -- Rows left holding only a fence, by when it may be forgotten.
-CREATE INDEX sessions_fences_due ON {schema}.sessions (fence_expires_ms) WHERE value IS NULL;
+CREATE INDEX IF NOT EXISTS sessions_fences_due ON {schema}.sessions (fence_expires_ms) WHERE value IS NULL;
 
 -- The database's clock in ms since the epoch: every deadline is judged by it, never by a
 -- worker's or a producer's clock (docs/semantics.md, "Clocks").
