@@ -264,6 +264,10 @@ class CheckpointStore(abc.ABC):
     """
 
     ref_scheme: str = "store"
+    #: Whether ``request_outcome`` reads the refusals the workers record beside this store
+    #: (the Redis store's own Redis). Beside any other store they live on the broker, and
+    #: producers read them there (``PendingRecords.refusal``).
+    keeps_refusals: bool = False
 
     def __init__(self, options: StoreOptions | None = None, clock: Clock = time.time) -> None:
         self.options = options or StoreOptions()

@@ -154,6 +154,7 @@ class RedisStore(CheckpointStore):
     """Checkpoints in Redis, readable and writable by the Go ``RedisStore`` too."""
 
     ref_scheme = "session"
+    keeps_refusals = True
 
     def __init__(
         self,

@@ -504,6 +504,9 @@ class CheckpointClient:
         delay = interval
         while True:
             fence, refusal = self.store.request_outcome(handle.session_id, request)
+            records = self.pending_records
+            if refusal is None and not self.store.keeps_refusals and records is not None:
+                refusal = records.refusal(handle.session_id, request)
             if fence is not None:
                 self.clock.observe(handle.session_id, fence.seq)
             # The fence first: it is the session's own, while a refusal names a request id.

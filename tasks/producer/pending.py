@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 from redis import exceptions as redis_errors
 
 from checkpointq.store import redis_hooks
-from checkpointq.store.base import CheckpointStore, Fence
+from checkpointq.store.base import CheckpointStore, Fence, Refusal
 from checkpointq.store.keys import KeySpace
 from checkpointq.store.model import Checkpoint
 from checkpointq.store.ordering import OrderKey, lapsed, order_key
@@ -427,6 +427,18 @@ class PendingRecords:
             else:
                 sessions.discard(session_id)
         return sorted(sessions)
+
+    def refusal(self, session_id: str, request_id: str) -> Refusal | None:
+        """The refusal a worker recorded for ``request_id`` in its session, on the broker
+        (where workers keep them beside a store that does not: ``keeps_refusals``)."""
+        try:
+            raw = self.broker.hget(self.keys.refusals(session_id), request_id)
+        except redis_errors.RedisError as exc:
+            raise BrokerUnavailable(
+                f"could not read the refusal of {request_id!r} on {self._display_url} "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
+        return Refusal.decode(raw)
 
     def _unavailable(self, what: str, exc: Exception) -> BrokerUnavailable:
         return BrokerUnavailable(

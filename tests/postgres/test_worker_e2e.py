@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from checkpointq.tasks.errors import RequestRefused
 from checkpointq.tasks.producer.client import CheckpointClient
+from checkpointq.tasks.producer.clock import SeqClock, wall_clock_us
 from tests.postgres.conftest import PgDeployment
 from tests.support.checkpoints import make_checkpoint
 
@@ -70,3 +72,26 @@ def test_a_load_merges_a_save_still_queued_with_the_rows(pg_live: PgDeployment) 
         held.delete("pg-merge")
         assert client.load("pg-merge") is None
         assert "pg-merge" not in client.list()
+
+
+def test_wait_durable_raises_the_reason_of_a_request_the_worker_refused(
+    pg_live: PgDeployment,
+) -> None:
+    # Given a producer whose clock runs 6.5 minutes ahead, told a limit above the workers' 5
+    # (so the broker takes what a worker refuses)
+    assert pg_live.settings.broker_url is not None
+    with CheckpointClient(
+        pg_live.settings.broker_url,
+        pg_live.store(),
+        queue=pg_live.settings.queue,
+        clock=SeqClock(lambda: wall_clock_us() + 390_000_000),
+        max_seq_ahead_seconds=1200,
+    ) as client:
+        handle = client.save(make_checkpoint("pg-refused", version=1))
+        # When it waits, Then it learns the request was dead-lettered, why, and where: the
+        # refusal lives on the broker beside a database
+        with pytest.raises(RequestRefused) as refused:
+            client.wait_durable(handle, timeout=20)
+    assert refused.value.kind == "invalid_input" and "ahead" in refused.value.reason
+    letter = pg_live.dead_letters().get(refused.value.entry)
+    assert letter is not None and letter.task_id == handle.task_id
