@@ -11,6 +11,7 @@ package checkpointq
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -28,6 +29,15 @@ type Config struct {
 	// Store is the store Redis (CHECKPOINTQ_STORE_URL); nil: the broker's, and then a Load
 	// reads the pending entries and the store in one script call.
 	Store Redis
+	// Postgres is a PostgreSQL store (a postgresql:// CHECKPOINTQ_STORE_URL): a *sql.DB
+	// opened with a PostgreSQL driver the application registered (lib/pq's "postgres", or
+	// pgx's "pgx"), on which loads, lists and WaitDurable read the store (postgres.go).
+	// Store and Cluster must then be unset: the broker, a plain Redis, keeps the pending
+	// records and the workers' refusal records.
+	Postgres *sql.DB
+	// PostgresSchema is the store's schema (CHECKPOINTQ_PG_SCHEMA); default
+	// DefaultPostgresSchema.
+	PostgresSchema string
 	// Cluster says the store is a Redis Cluster (a redis+cluster:// CHECKPOINTQ_STORE_URL):
 	// the client then uses the cluster key layout, and Store must route each command to
 	// the node serving its first key's slot, following MOVED (go-redis's ClusterClient
@@ -127,11 +137,13 @@ type Client[C any] struct {
 	keys keySpace
 	// oneRedis: the broker is the store, so a load reads record and store in one call.
 	oneRedis bool
-	epochs   epochs
-	clock    *seqClock
-	fields   checkpointFields
-	replyTo  string
-	origin   string
+	// pg: the store is PostgreSQL (Config.Postgres); nil for a Redis store.
+	pg      *pgStore
+	epochs  epochs
+	clock   *seqClock
+	fields  checkpointFields
+	replyTo string
+	origin  string
 }
 
 // New returns a client for cfg. Like the Go NewRedisStore, it panics when cfg.Broker is
@@ -140,7 +152,17 @@ func New[C any](cfg Config) *Client[C] {
 	if cfg.Broker == nil {
 		panic("checkpointq.New: Config.Broker must not be nil")
 	}
-	oneRedis := !cfg.Cluster && sameRedis(cfg.Broker, cfg.Store)
+	var pg *pgStore
+	if cfg.Postgres != nil {
+		if cfg.Store != nil || cfg.Cluster {
+			panic("checkpointq.New: Config.Postgres is the store: Store and Cluster must be unset")
+		}
+		if cfg.PostgresSchema == "" {
+			cfg.PostgresSchema = DefaultPostgresSchema
+		}
+		pg = newPGStore(cfg.Postgres, cfg.PostgresSchema)
+	}
+	oneRedis := pg == nil && !cfg.Cluster && sameRedis(cfg.Broker, cfg.Store)
 	if cfg.Store == nil {
 		cfg.Store = cfg.Broker
 	}
@@ -185,7 +207,7 @@ func New[C any](cfg Config) *Client[C] {
 		panic(err)
 	}
 	return &Client[C]{
-		cfg: cfg, keys: keySpace{prefix: cfg.Prefix, cluster: cfg.Cluster}, oneRedis: oneRedis, clock: newSeqClock(cfg.Now),
+		cfg: cfg, keys: keySpace{prefix: cfg.Prefix, cluster: cfg.Cluster}, oneRedis: oneRedis, pg: pg, clock: newSeqClock(cfg.Now),
 		fields:  fieldsOf(reflect.TypeOf((*C)(nil)).Elem()),
 		replyTo: replyTo, origin: origin(),
 	}
@@ -440,7 +462,8 @@ type sessionRead struct {
 
 // readSession reads sessionID's newest pending entry (broker), then its value and fence
 // (store): read_pending.lua's mode "store" in one call when the broker is the store, else
-// its mode "one" on the broker, then loadScript on the store, never the other order.
+// its mode "one" on the broker, then loadScript on the store (one statement on a
+// PostgreSQL store), never the other order.
 func (c *Client[C]) readSession(ctx context.Context, sessionID string) (sessionRead, error) {
 	op := fmt.Sprintf("the load of session %q", sessionID)
 	entries := []string{c.keys.pendingRequests(sessionID), c.keys.pendingEpoch(), c.keys.pending(sessionID)}
@@ -467,10 +490,13 @@ func (c *Client[C]) readSession(ctx context.Context, sessionID string) (sessionR
 		if items, err = replyList(reply, 5); err != nil {
 			return sessionRead{}, fmt.Errorf("%w: load %q: %v", ErrBrokerUnavailable, sessionID, err)
 		}
-		if reply, err = c.cfg.Store.Eval(ctx, loadScript, storeKeys); err != nil {
+		if c.pg != nil {
+			if stored, err = c.pg.loadSession(ctx, sessionID); err != nil {
+				return sessionRead{}, c.readError(op, err)
+			}
+		} else if reply, err = c.cfg.Store.Eval(ctx, loadScript, storeKeys); err != nil {
 			return sessionRead{}, c.readError(op, err)
-		}
-		if stored, err = replyList(reply, 6); err != nil {
+		} else if stored, err = replyList(reply, 6); err != nil {
 			return sessionRead{}, fmt.Errorf("%w: load %q: %v", ErrStoreUnavailable, sessionID, err)
 		}
 		// A save alive at the broker read may be past its deadline by the store read, and a
@@ -530,6 +556,8 @@ func (c *Client[C]) List(ctx context.Context) ([]string, error) {
 	list := c.listIndex
 	if c.keys.cluster {
 		list = c.listCluster
+	} else if c.pg != nil {
+		list = func(ctx context.Context, _ int64, seen map[string]struct{}) error { return c.pg.listLive(ctx, seen) }
 	}
 	if err := list(ctx, now, seen); err != nil {
 		return nil, c.readError(op, err)

@@ -282,11 +282,15 @@ func run(m *testing.M) int {
 	}
 	env = &deployment{broker: broker, store: store, worker: w}
 	defer stopClusterDeployment()
+	defer stopPGDeployment()
 	code := m.Run()
 	if code != 0 {
 		fmt.Fprintf(os.Stderr, "--- worker log ---\n%s\n", w.Log())
 		if clusterEnv != nil {
 			fmt.Fprintf(os.Stderr, "--- cluster worker log ---\n%s\n", clusterEnv.worker.Log())
+		}
+		if pgEnv != nil {
+			fmt.Fprintf(os.Stderr, "--- PostgreSQL worker log ---\n%s\n", pgEnv.worker.Log())
 		}
 	}
 	w.Stop()

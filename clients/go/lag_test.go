@@ -82,15 +82,7 @@ func (d *lagDeployment) stored(t *testing.T, id string) *Checkpoint {
 	if err != nil {
 		t.Fatal(err)
 	}
-	doc, err := decodeValue(value)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cp, err := DeserializeCheckpoint(doc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return cp
+	return decodeStored(t, value)
 }
 
 func (d *lagDeployment) startWorker(t *testing.T) {

@@ -97,8 +97,12 @@ return {f[1], f[2], f[3], redis.call('HGET', KEYS[2], ARGV[1])}`
 // in one script call on a single Redis. On a cluster both keys are in the session's slot,
 // but they are read by two calls, one key each, as the Python client's pipeline does:
 // while the slot migrates, a call naming both keys is refused (TRYAGAIN) as long as one of
-// them is on each node, or missing from the node importing it.
+// them is on each node, or missing from the node importing it. On a PostgreSQL store, see
+// readOutcomePG.
 func (c *Client[C]) readOutcome(ctx context.Context, h Handle) ([]interface{}, error) {
+	if c.pg != nil {
+		return c.readOutcomePG(ctx, h)
+	}
 	fenceKey, refusals := c.keys.fence(h.SessionID), c.keys.refusals(h.SessionID)
 	if !c.keys.cluster {
 		reply, err := c.cfg.Store.Eval(ctx, outcomeScript, []string{fenceKey, refusals}, h.TaskID)

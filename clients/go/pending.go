@@ -194,7 +194,7 @@ func (c *Client[C]) pendingSessions(ctx context.Context, now int64) (map[string]
 // each session's newest entry that is ordered after its fence: a save lists the session,
 // a delete or a lapsed save hides it. Where a worker applied the request since the
 // listing, the fence says the session's state instead: listed iff its last request was a
-// save whose deadline (ms) is after now.
+// save whose deadline (ms) is after now (the database's time on a PostgreSQL store).
 func (c *Client[C]) mergePending(ctx context.Context, now int64, pending map[string]pendingRecord, seen map[string]struct{}) error {
 	if len(pending) == 0 {
 		return nil
@@ -204,6 +204,22 @@ func (c *Client[C]) mergePending(ctx context.Context, now int64, pending map[str
 		ids = append(ids, id)
 	}
 	sort.Strings(ids)
+	merge := func(id string, f fence, live bool) error {
+		rec := pending[id]
+		listed := live
+		if rec.wins(f) {
+			listed = !rec.deleted && !rec.lapsed
+		}
+		if listed {
+			seen[id] = struct{}{}
+		} else {
+			delete(seen, id)
+		}
+		return nil
+	}
+	if c.pg != nil {
+		return c.pg.eachFence(ctx, ids, merge)
+	}
 	batches := [][]string{ids}
 	if c.keys.cluster {
 		// A script reads one slot's keys: the fences of the sessions of one data-key slot.
@@ -224,17 +240,7 @@ func (c *Client[C]) mergePending(ctx context.Context, now int64, pending map[str
 				if err != nil {
 					return fmt.Errorf("%w: fence of %q: %v", ErrCorrupt, id, err)
 				}
-				rec := pending[id]
-				listed := f.live(now)
-				if rec.wins(f) {
-					listed = !rec.deleted && !rec.lapsed
-				}
-				if listed {
-					seen[id] = struct{}{}
-				} else {
-					delete(seen, id)
-				}
-				return nil
+				return merge(id, f, f.live(now))
 			})
 		if err != nil {
 			return err

@@ -20,10 +20,10 @@ import (
 
 // The Go store's behaviours in the default, fire-and-forget mode: every read right after a
 // write, by another replica, sees the write, whether the worker applied it yet or the queue
-// still holds it. Each runs twice: with the shared worker consuming (a real race between
-// the read and the worker), and with the requests held on a queue no worker reads, so that
-// only the pending records can answer, then delivered, after which the store must hold
-// exactly what the loads returned.
+// still holds it. Each runs with the shared worker consuming (a real race between the read
+// and the worker), and with the requests held on a queue no worker reads, so that only the
+// pending records can answer, then delivered, after which the store must hold exactly what
+// the loads returned; and each of those against a Redis store and a PostgreSQL store.
 
 // pendingMode is where a test's requests go until they are delivered.
 type pendingMode struct {
@@ -33,23 +33,61 @@ type pendingMode struct {
 
 var pendingModes = []pendingMode{{"worker consuming", "checkpoints"}, {"queue held", "held"}}
 
-// replicas are two clients of the shared deployment publishing to mode's queue: two
-// apiserver replicas, each with its own connections.
-func replicas(t *testing.T, mode pendingMode) (a, b *Client[Checkpoint]) {
+// storeBackend is a deployment the fire-and-forget tests run against: the shared one,
+// whose store is a Redis, or the one whose store is PostgreSQL (postgres_harness_test.go).
+type storeBackend struct {
+	name      string
+	newClient func(t *testing.T, cfg Config) *Client[Checkpoint]
+	broker    func(t *testing.T) *redisServer
+	// stored reads id's checkpoint from the store itself, as the worker wrote it (nil: none).
+	stored func(t *testing.T, c *Client[Checkpoint], id string) *Checkpoint
+}
+
+var storeBackends = []storeBackend{
+	{
+		name: "redis store", newClient: newClient[Checkpoint],
+		broker: func(*testing.T) *redisServer { return env.broker },
+		stored: func(t *testing.T, _ *Client[Checkpoint], id string) *Checkpoint { return stored(t, env.store, id) },
+	},
+	{
+		name: "postgres store", newClient: newPGClient[Checkpoint],
+		broker: func(t *testing.T) *redisServer { return pgDeploymentFor(t).broker },
+		stored: storedPG,
+	},
+}
+
+// forEachStoreAndMode runs test as a subtest for each store and each pending mode.
+func forEachStoreAndMode(t *testing.T, test func(t *testing.T, s storeBackend, mode pendingMode)) {
+	for _, s := range storeBackends {
+		t.Run(s.name, func(t *testing.T) {
+			for _, mode := range pendingModes {
+				t.Run(mode.name, func(t *testing.T) { test(t, s, mode) })
+			}
+		})
+	}
+}
+
+// replicas are two clients of s's deployment publishing to mode's queue: two apiserver
+// replicas, each with its own connections.
+func replicas(t *testing.T, s storeBackend, mode pendingMode) (a, b *Client[Checkpoint]) {
 	queue := mode.queue
 	if queue != "checkpoints" {
 		queue = "held-" + strings.ReplaceAll(t.Name(), "/", "-")
 	}
-	return newClient[Checkpoint](t, Config{Queue: queue}), newClient[Checkpoint](t, Config{Queue: queue})
+	return s.newClient(t, Config{Queue: queue}), s.newClient(t, Config{Queue: queue})
 }
 
-// deliver moves what c's queue holds to the worker's queue, oldest first, and waits until
-// the worker settled each of handles (applied or superseded).
+// deliver moves what c's queue holds to the worker's queue on c's broker, oldest first,
+// and waits until the worker settled each of handles (applied or superseded).
 func deliver(t *testing.T, c *Client[Checkpoint], handles ...Handle) {
 	t.Helper()
 	if c.cfg.Queue != "checkpoints" {
+		broker, ok := c.cfg.Broker.(*redigoRedis)
+		if !ok {
+			t.Fatalf("deliver needs a redigo broker, not %T", c.cfg.Broker)
+		}
 		for {
-			moved, err := env.broker.Do("RPOPLPUSH", c.cfg.Queue, "checkpoints")
+			moved, err := broker.do(background(t), "RPOPLPUSH", c.cfg.Queue, "checkpoints")
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -99,6 +137,12 @@ func stored(t *testing.T, server *redisServer, id string) *Checkpoint {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return decodeStored(t, value)
+}
+
+// decodeStored is the checkpoint of a value as a store holds it.
+func decodeStored(t *testing.T, value []byte) *Checkpoint {
+	t.Helper()
 	doc, err := decodeValue(value)
 	if err != nil {
 		t.Fatal(err)
@@ -133,170 +177,166 @@ func mustList(t *testing.T, c *Client[Checkpoint]) map[string]bool {
 }
 
 func TestAReplicaLoadsTheCheckpointAnotherJustSaved(t *testing.T) {
-	for _, mode := range pendingModes {
-		t.Run(mode.name, func(t *testing.T) {
-			// Given replica A saves a checkpoint, fire and forget
-			a, b := replicas(t, mode)
-			id := sessionID(t, "round-trip")
-			cp := sampleCheckpoint(id, 3, "hello <b>&</b>", "日本語 🎉")
-			h, err := a.SaveAsync(background(t), cp)
-			if err != nil {
-				t.Fatal(err)
-			}
-			// When replica B loads it at once
-			got, seq := mustLoad(t, b, id)
-			// Then B has it, with a seq its next save sorts after
-			if got == nil || normalise(got) != normalise(cp) || seq < h.Seq {
-				t.Fatalf("Load = %+v, seq %d; want %+v, seq >= %d", got, seq, cp, h.Seq)
-			}
-			// And once applied, the store holds exactly that
-			deliver(t, a, h)
-			if s := stored(t, env.store, id); s == nil || normalise(s) != normalise(cp) {
-				t.Fatalf("stored %+v, want %+v", s, cp)
-			}
-			waitSettled(t, env.broker, id)
-			if got, _ := mustLoad(t, b, id); normalise(got) != normalise(cp) {
-				t.Fatalf("Load after apply = %+v", got)
-			}
-		})
-	}
+	forEachStoreAndMode(t, func(t *testing.T, s storeBackend, mode pendingMode) {
+		// Given replica A saves a checkpoint, fire and forget
+		a, b := replicas(t, s, mode)
+		id := sessionID(t, "round-trip")
+		cp := sampleCheckpoint(id, 3, "hello <b>&</b>", "日本語 🎉")
+		h, err := a.SaveAsync(background(t), cp)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// When replica B loads it at once
+		got, seq := mustLoad(t, b, id)
+		// Then B has it, with a seq its next save sorts after
+		if got == nil || normalise(got) != normalise(cp) || seq < h.Seq {
+			t.Fatalf("Load = %+v, seq %d; want %+v, seq >= %d", got, seq, cp, h.Seq)
+		}
+		// And once applied, the store holds exactly that
+		deliver(t, a, h)
+		if kept := s.stored(t, a, id); kept == nil || normalise(kept) != normalise(cp) {
+			t.Fatalf("stored %+v, want %+v", kept, cp)
+		}
+		waitSettled(t, s.broker(t), id)
+		if got, _ := mustLoad(t, b, id); normalise(got) != normalise(cp) {
+			t.Fatalf("Load after apply = %+v", got)
+		}
+	})
 }
 
 func TestALoadRightAfterASaveHasTheHundredMostRecentMessages(t *testing.T) {
-	for _, mode := range pendingModes {
-		t.Run(mode.name, func(t *testing.T) {
-			a, b := replicas(t, mode)
-			id := sessionID(t, "cap")
-			var messages []string
-			for i := 0; i < 150; i++ {
-				messages = append(messages, fmt.Sprint("message ", i))
+	forEachStoreAndMode(t, func(t *testing.T, s storeBackend, mode pendingMode) {
+		a, b := replicas(t, s, mode)
+		id := sessionID(t, "cap")
+		var messages []string
+		for i := 0; i < 150; i++ {
+			messages = append(messages, fmt.Sprint("message ", i))
+		}
+		h := mustSave(t, a, sampleCheckpoint(id, 1, messages...))
+		check := func(when string, got *Checkpoint) {
+			t.Helper()
+			if got == nil || len(got.ConversationHistory) != 100 || got.ConversationHistory[0].Content != "message 50" ||
+				got.ConversationHistory[99].Content != "message 149" {
+				t.Fatalf("%s: %+v; want messages 50-149", when, got)
 			}
-			h := mustSave(t, a, sampleCheckpoint(id, 1, messages...))
-			check := func(when string, got *Checkpoint) {
-				t.Helper()
-				if got == nil || len(got.ConversationHistory) != 100 || got.ConversationHistory[0].Content != "message 50" ||
-					got.ConversationHistory[99].Content != "message 149" {
-					t.Fatalf("%s: %+v; want messages 50-149", when, got)
-				}
-			}
-			got, _ := mustLoad(t, b, id)
-			check("Load at once", got)
-			deliver(t, a, h)
-			check("stored", stored(t, env.store, id))
-		})
-	}
+		}
+		got, _ := mustLoad(t, b, id)
+		check("Load at once", got)
+		deliver(t, a, h)
+		check("stored", s.stored(t, a, id))
+	})
 }
 
 func TestADeletedSessionLeavesTheListAtOnce(t *testing.T) {
-	for _, mode := range pendingModes {
-		t.Run(mode.name, func(t *testing.T) {
-			// Given two sessions saved, fire and forget
-			a, b := replicas(t, mode)
-			ctx := background(t)
-			gone, kept := sessionID(t, "gone"), sessionID(t, "kept")
-			kh := mustSave(t, a, sampleCheckpoint(kept, 1, "hi"))
-			mustSave(t, a, sampleCheckpoint(gone, 1, "hi"))
-			if listed := mustList(t, b); !listed[gone] || !listed[kept] {
-				t.Fatalf("List after the saves lacks %q or %q", gone, kept)
-			}
-			// When one is deleted
-			dh, err := a.DeleteAsync(ctx, gone)
-			if err != nil {
-				t.Fatal(err)
-			}
-			// Then the other replica neither lists nor loads it, before and after the apply
-			for _, when := range []string{"at once", "applied"} {
-				if when == "applied" {
-					deliver(t, a, kh, dh)
-					if s := stored(t, env.store, gone); s != nil {
-						t.Fatalf("store still holds the deleted session: %+v", s)
-					}
-				}
-				if listed := mustList(t, b); listed[gone] || !listed[kept] {
-					t.Fatalf("%s: List has %q: %v, has %q: %v", when, gone, listed[gone], kept, listed[kept])
-				}
-				if got, _ := mustLoad(t, b, gone); got != nil {
-					t.Fatalf("%s: Load of the deleted session = %+v", when, got)
+	forEachStoreAndMode(t, func(t *testing.T, s storeBackend, mode pendingMode) {
+		// Given two sessions saved, fire and forget
+		a, b := replicas(t, s, mode)
+		ctx := background(t)
+		gone, kept := sessionID(t, "gone"), sessionID(t, "kept")
+		kh := mustSave(t, a, sampleCheckpoint(kept, 1, "hi"))
+		mustSave(t, a, sampleCheckpoint(gone, 1, "hi"))
+		if listed := mustList(t, b); !listed[gone] || !listed[kept] {
+			t.Fatalf("List after the saves lacks %q or %q", gone, kept)
+		}
+		// When one is deleted
+		dh, err := a.DeleteAsync(ctx, gone)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Then the other replica neither lists nor loads it, before and after the apply
+		for _, when := range []string{"at once", "applied"} {
+			if when == "applied" {
+				deliver(t, a, kh, dh)
+				if left := s.stored(t, a, gone); left != nil {
+					t.Fatalf("store still holds the deleted session: %+v", left)
 				}
 			}
-		})
-	}
+			if listed := mustList(t, b); listed[gone] || !listed[kept] {
+				t.Fatalf("%s: List has %q: %v, has %q: %v", when, gone, listed[gone], kept, listed[kept])
+			}
+			if got, _ := mustLoad(t, b, gone); got != nil {
+				t.Fatalf("%s: Load of the deleted session = %+v", when, got)
+			}
+		}
+	})
 }
 
 func TestLoadBumpSaveTwiceKeepsBothBumps(t *testing.T) {
-	for _, mode := range pendingModes {
-		t.Run(mode.name, func(t *testing.T) {
-			// Given a saved session, and two replicas taking turns: load, bump, save
-			a, b := replicas(t, mode)
-			ctx := background(t)
-			id := sessionID(t, "bump")
-			mustSave(t, a, sampleCheckpoint(id, 1, "turn 1"))
-			var last Handle
-			for turn, c := range []*Client[Checkpoint]{b, a} {
-				cp, seq := mustLoad(t, c, id)
-				if cp == nil || cp.Version != int64(turn+1) {
-					t.Fatalf("turn %d: Load = %+v, want version %d", turn+2, cp, turn+1)
-				}
-				cp.Version++
-				cp.ConversationHistory = append(cp.ConversationHistory, ConversationMessage{Role: "user", Content: fmt.Sprint("turn ", turn+2)})
-				h, err := c.SaveAsync(ctx, cp)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if h.Seq <= seq {
-					t.Fatalf("turn %d: save seq %d does not sort after the loaded %d", turn+2, h.Seq, seq)
-				}
-				last = h
+	forEachStoreAndMode(t, func(t *testing.T, s storeBackend, mode pendingMode) {
+		// Given a saved session, and two replicas taking turns: load, bump, save
+		a, b := replicas(t, s, mode)
+		ctx := background(t)
+		id := sessionID(t, "bump")
+		mustSave(t, a, sampleCheckpoint(id, 1, "turn 1"))
+		var last Handle
+		for turn, c := range []*Client[Checkpoint]{b, a} {
+			cp, seq := mustLoad(t, c, id)
+			if cp == nil || cp.Version != int64(turn+1) {
+				t.Fatalf("turn %d: Load = %+v, want version %d", turn+2, cp, turn+1)
 			}
-			// Then both bumps land, and every turn with them
-			deliver(t, a, last)
-			for who, got := range map[string]*Checkpoint{"stored": stored(t, env.store, id), "loaded": func() *Checkpoint {
-				cp, _ := mustLoad(t, b, id)
-				return cp
-			}()} {
-				if got == nil || got.Version != 3 || len(got.ConversationHistory) != 3 || got.ConversationHistory[2].Content != "turn 3" {
-					t.Fatalf("%s: %+v; want version 3 with turns 1-3", who, got)
-				}
+			cp.Version++
+			cp.ConversationHistory = append(cp.ConversationHistory, ConversationMessage{Role: "user", Content: fmt.Sprint("turn ", turn+2)})
+			h, err := c.SaveAsync(ctx, cp)
+			if err != nil {
+				t.Fatal(err)
 			}
-		})
-	}
+			if h.Seq <= seq {
+				t.Fatalf("turn %d: save seq %d does not sort after the loaded %d", turn+2, h.Seq, seq)
+			}
+			last = h
+		}
+		// Then both bumps land, and every turn with them
+		deliver(t, a, last)
+		for who, got := range map[string]*Checkpoint{"stored": s.stored(t, a, id), "loaded": func() *Checkpoint {
+			cp, _ := mustLoad(t, b, id)
+			return cp
+		}()} {
+			if got == nil || got.Version != 3 || len(got.ConversationHistory) != 3 || got.ConversationHistory[2].Content != "turn 3" {
+				t.Fatalf("%s: %+v; want version 3 with turns 1-3", who, got)
+			}
+		}
+	})
 }
 
 func TestAPendingDeleteHidesAStoredSession(t *testing.T) {
-	// Given a session the store holds
-	a, b := replicas(t, pendingMode{queue: "held"})
-	ctx := background(t)
-	id := sessionID(t, "stored")
-	h, err := newClient[Checkpoint](t, Config{}).SaveAsync(ctx, sampleCheckpoint(id, 4, "hi"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	mustWait(t, b, h, Applied)
-	// When a replica deletes it and the delete waits in the queue
-	del, err := a.DeleteAsync(ctx, id)
-	if err != nil {
-		t.Fatal(err)
-	}
-	// Then the other replica loads it as missing, at the delete's seq, and does not list it,
-	// while the store still holds it
-	if stored(t, env.store, id) == nil {
-		t.Fatal("the store lost the session before the delete was delivered")
-	}
-	if got, seq := mustLoad(t, b, id); got != nil || seq != del.Seq {
-		t.Fatalf("Load = %+v at seq %d; want nil at the delete's seq %d", got, seq, del.Seq)
-	}
-	if mustList(t, b)[id] {
-		t.Fatal("List shows a session whose delete is pending")
-	}
-	// And a save stamped after that load revives it, even before the delete is applied
-	again := sampleCheckpoint(id, 5, "again")
-	ah := mustSave(t, b, again)
-	if got, _ := mustLoad(t, a, id); got == nil || got.Version != 5 || !mustList(t, a)[id] {
-		t.Fatalf("Load after the new save = %+v", got)
-	}
-	deliver(t, a, del, ah)
-	if s := stored(t, env.store, id); s == nil || normalise(s) != normalise(again) {
-		t.Fatalf("stored %+v, want %+v", s, again)
+	for _, s := range storeBackends {
+		t.Run(s.name, func(t *testing.T) {
+			// Given a session the store holds
+			a, b := replicas(t, s, pendingMode{queue: "held"})
+			ctx := background(t)
+			id := sessionID(t, "stored")
+			h, err := s.newClient(t, Config{}).SaveAsync(ctx, sampleCheckpoint(id, 4, "hi"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			mustWait(t, b, h, Applied)
+			// When a replica deletes it and the delete waits in the queue
+			del, err := a.DeleteAsync(ctx, id)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// Then the other replica loads it as missing, at the delete's seq, and does not list it,
+			// while the store still holds it
+			if s.stored(t, a, id) == nil {
+				t.Fatal("the store lost the session before the delete was delivered")
+			}
+			if got, seq := mustLoad(t, b, id); got != nil || seq != del.Seq {
+				t.Fatalf("Load = %+v at seq %d; want nil at the delete's seq %d", got, seq, del.Seq)
+			}
+			if mustList(t, b)[id] {
+				t.Fatal("List shows a session whose delete is pending")
+			}
+			// And a save stamped after that load revives it, even before the delete is applied
+			again := sampleCheckpoint(id, 5, "again")
+			ah := mustSave(t, b, again)
+			if got, _ := mustLoad(t, a, id); got == nil || got.Version != 5 || !mustList(t, a)[id] {
+				t.Fatalf("Load after the new save = %+v", got)
+			}
+			deliver(t, a, del, ah)
+			if kept := s.stored(t, a, id); kept == nil || normalise(kept) != normalise(again) {
+				t.Fatalf("stored %+v, want %+v", kept, again)
+			}
+		})
 	}
 }
 
@@ -472,37 +512,35 @@ func TestASaveTheWorkerWouldRefuseIsRefusedAtOnce(t *testing.T) {
 }
 
 func TestASaveOverTheBudgetKeepsTheMessagesTheStoreKeeps(t *testing.T) {
-	for _, mode := range pendingModes {
-		t.Run(mode.name, func(t *testing.T) {
-			// Given 40 messages of 60 KB of base64 noise, which zstd leaves as it is: 2.4 MB, of
-			// which 17.45 messages' worth fit the 1 MiB budget (no size near its edge)
-			a, b := replicas(t, mode)
-			id := sessionID(t, "budget")
-			var messages []string
-			noise := mrand.New(mrand.NewSource(22)) // the same bytes every run
-			for i := 0; i < 40; i++ {
-				random := make([]byte, 44*1024)
-				noise.Read(random)
-				messages = append(messages, fmt.Sprintf("%d %s", i, base64.StdEncoding.EncodeToString(random)))
-			}
-			// When it is saved and loaded at once
-			h := mustSave(t, a, sampleCheckpoint(id, 1, messages...))
-			loaded, _ := mustLoad(t, b, id)
-			// Then the load has the most recent messages that fit, and the store the same ones
-			deliver(t, a, h)
-			kept := stored(t, env.store, id)
-			if loaded == nil || kept == nil {
-				t.Fatalf("loaded %v, stored %v", loaded != nil, kept != nil)
-			}
-			if normalise(loaded) != normalise(kept) {
-				t.Fatalf("loaded %d messages, the store kept %d", len(loaded.ConversationHistory), len(kept.ConversationHistory))
-			}
-			n := len(kept.ConversationHistory)
-			if n != 17 || kept.ConversationHistory[n-1].Content != messages[39] {
-				t.Fatalf("kept %d messages ending %.10q, want the most recent 17", n, kept.ConversationHistory[n-1].Content)
-			}
-		})
-	}
+	forEachStoreAndMode(t, func(t *testing.T, s storeBackend, mode pendingMode) {
+		// Given 40 messages of 60 KB of base64 noise, which zstd leaves as it is: 2.4 MB, of
+		// which 17.45 messages' worth fit the 1 MiB budget (no size near its edge)
+		a, b := replicas(t, s, mode)
+		id := sessionID(t, "budget")
+		var messages []string
+		noise := mrand.New(mrand.NewSource(22)) // the same bytes every run
+		for i := 0; i < 40; i++ {
+			random := make([]byte, 44*1024)
+			noise.Read(random)
+			messages = append(messages, fmt.Sprintf("%d %s", i, base64.StdEncoding.EncodeToString(random)))
+		}
+		// When it is saved and loaded at once
+		h := mustSave(t, a, sampleCheckpoint(id, 1, messages...))
+		loaded, _ := mustLoad(t, b, id)
+		// Then the load has the most recent messages that fit, and the store the same ones
+		deliver(t, a, h)
+		kept := s.stored(t, a, id)
+		if loaded == nil || kept == nil {
+			t.Fatalf("loaded %v, stored %v", loaded != nil, kept != nil)
+		}
+		if normalise(loaded) != normalise(kept) {
+			t.Fatalf("loaded %d messages, the store kept %d", len(loaded.ConversationHistory), len(kept.ConversationHistory))
+		}
+		n := len(kept.ConversationHistory)
+		if n != 17 || kept.ConversationHistory[n-1].Content != messages[39] {
+			t.Fatalf("kept %d messages ending %.10q, want the most recent 17", n, kept.ConversationHistory[n-1].Content)
+		}
+	})
 }
 
 // pythonTurn is a turn taken by a Python replica (CheckpointClient, in a process of its
@@ -532,7 +570,7 @@ func TestGoAndPythonReplicasSeeEachOthersPendingTurns(t *testing.T) {
 	}
 	python := filepath.Join(filepath.Dir(bin), "python")
 	// Given a Go replica and a Python replica, publishing to a queue no worker reads yet
-	a, _ := replicas(t, pendingMode{queue: "held"})
+	a, _ := replicas(t, storeBackends[0], pendingMode{queue: "held"})
 	id := sessionID(t, "mixed")
 	mustSave(t, a, sampleCheckpoint(id, 1, "turn 1"))
 	pyTurn := func(turn int) (before string, listed bool) {
