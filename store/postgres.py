@@ -483,11 +483,11 @@ class PostgresStore(CheckpointStore):
                     f"INSERT INTO {self.schema}.write_probe VALUES (1, clock_timestamp()) "
                     "ON CONFLICT (id) DO UPDATE SET written_at = excluded.written_at"
                 )
+        except postgres_schema.SchemaMismatch as exc:
+            return str(exc)
         except StoreUnavailable as exc:
             cause = exc.__cause__
             return describe(cause) if cause is not None else str(exc)
-        except postgres_schema.SchemaMismatch as exc:
-            return str(exc)
         refused = self._refused
         if refused is not None and time.monotonic() - refused[0] < REFUSAL_MEMORY_SECONDS:
             return f"{refused[1]} (a write was refused {time.monotonic() - refused[0]:.0f}s ago)"

@@ -14,7 +14,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from checkpointq.store.errors import CheckpointError
+from checkpointq.store.errors import StoreUnavailable
 
 #: The schema version this code reads and writes.
 SCHEMA_VERSION = 1
@@ -25,9 +25,11 @@ DEFAULT_SCHEMA = "checkpointq"
 _IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 
 
-class SchemaMismatch(CheckpointError):
+class SchemaMismatch(StoreUnavailable):
     """The database's schema is not the one this code speaks: missing (and not to be
-    created), or newer than this code."""
+    created), or newer than this code. A kind of ``StoreUnavailable``: requests wait in the
+    broker (workers pause) until an operator upgrades one side, rather than be dead-lettered
+    for a deployment's mistake."""
 
 
 def check_schema_name(name: str) -> str:
