@@ -20,6 +20,7 @@ from checkpointq.store.base import (
     SessionCounts,
     StoreOptions,
 )
+from checkpointq.store.errors import InvalidInput
 from checkpointq.store.model import Checkpoint
 from checkpointq.store.ordering import OrderKey, order_key
 
@@ -160,7 +161,10 @@ class InMemoryStore(CheckpointStore):
         return Fence(fence.seq, fence.deleted, fence.request_id, live, fence.lapsed)
 
     def list_page(self, cursor: str | None = None, count: int = 1000) -> Page:
-        start = int(cursor) if cursor else 0
+        try:
+            start = int(cursor) if cursor else 0
+        except ValueError:
+            raise InvalidInput(f"not a cursor this store returned: {cursor!r}") from None
         with self._lock:
             now = self.clock()
             live = sorted(sid for sid, e in self._entries.items() if e.deadline > now)

@@ -412,7 +412,10 @@ class PostgresStore(CheckpointStore):
         return [found.get(_sid(i)) for i in session_ids]
 
     def list_page(self, cursor: str | None = None, count: int = 1000) -> Page:
-        after = bytes.fromhex(cursor) if cursor else b""
+        try:
+            after = bytes.fromhex(cursor) if cursor else b""
+        except ValueError:
+            raise InvalidInput(f"not a cursor this store returned: {cursor!r}") from None
         s = self.schema
         with self._connection("list sessions") as conn:
             rows = conn.execute(

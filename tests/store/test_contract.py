@@ -267,6 +267,12 @@ def test_list_pages_through_every_live_session_exactly_once(store: CheckpointSto
 # -- size limits -----------------------------------------------------------------------
 
 
+def test_a_cursor_the_store_never_returned_is_invalid_input(store: CheckpointStore) -> None:
+    store.save(make_checkpoint("listed"))
+    with pytest.raises(InvalidInput, match="not a cursor"):
+        store.list_page("not-a-cursor!", count=10)
+
+
 def test_history_is_capped_to_most_recent_messages(store_env: StoreEnv) -> None:
     store = store_env.store(history_cap=100)
     result = store.save(make_checkpoint("s1", messages=150), seq=1)
