@@ -61,6 +61,11 @@ _REFUSALS = {
     "57014": "statement cancelled (statement_timeout)",
 }
 
+#: A session the server ended: ``pg_terminate_backend`` as well as a shutdown. No refusal
+#: to remember or to report beyond the call: the next call connects again, and a stopping
+#: server is what the worker's own probe sees.
+_TERMINATED = "57P01"
+
 #: How long a refused write keeps ``write_refusal`` answering after a probe write went
 #: through (a full disk refuses a table's growth while a one-row probe still fits).
 REFUSAL_MEMORY_SECONDS = 60.0
@@ -96,8 +101,10 @@ def describe(exc: BaseException) -> str:
 
 
 def _refusal(exc: BaseException) -> str | None:
+    """Why the database refuses writes, when ``exc`` says it does; None for anything else
+    (unreachable, a session it ended)."""
     code = getattr(exc, "sqlstate", None)
-    return describe(exc) if code in _REFUSALS else None
+    return describe(exc) if code in _REFUSALS and code != _TERMINATED else None
 
 
 def _sid(session_id: str) -> bytes:
@@ -470,15 +477,28 @@ class PostgresStore(CheckpointStore):
         with self._connection("ping") as conn:
             conn.execute("SELECT 1")
 
+    def _probe_write(self) -> None:
+        with self._connection("probe write", write=False) as conn:
+            conn.execute(
+                f"INSERT INTO {self.schema}.write_probe VALUES (1, clock_timestamp()) "
+                "ON CONFLICT (id) DO UPDATE SET written_at = excluded.written_at"
+            )
+
     def write_refusal(self) -> str | None:
         """None when the database took a probe write (and no real write was refused in
-        the last minute); else why not."""
+        the last minute); else why not.
+
+        A probe that fails on a connection made earlier, losing it, tries once more on a
+        new one: a session the server ended (``pg_terminate_backend``, an idle timeout, a
+        restart since) says nothing of whether the database takes writes now."""
         try:
-            with self._connection("probe write", write=False) as conn:
-                conn.execute(
-                    f"INSERT INTO {self.schema}.write_probe VALUES (1, clock_timestamp()) "
-                    "ON CONFLICT (id) DO UPDATE SET written_at = excluded.written_at"
-                )
+            try:
+                earlier = getattr(self._local, "conn", None) is not None
+                self._probe_write()
+            except StoreUnavailable:
+                if not earlier or getattr(self._local, "conn", None) is not None:
+                    raise
+                self._probe_write()
         except StoreUnavailable as exc:
             cause = exc.__cause__
             return describe(cause) if cause is not None else str(exc)

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import psycopg
 import pytest
 
 from checkpointq.tasks.producer.client import CheckpointClient
@@ -205,3 +206,40 @@ def test_a_database_turned_read_only_pauses_the_worker_until_it_takes_writes(run
     run.traffic.more(100)
     settle(run)
     assert "read-only" in run.log()[paused:].splitlines()[0]
+
+
+#: The worker's sessions, or those of its pool processes only (the probe's session runs
+#: nothing but the probe write).
+_WORKER = "application_name = 'checkpointq'"
+_POOL = f"{_WORKER} AND query NOT LIKE '%write_probe%'"
+
+
+def _backends(conn: psycopg.Connection[tuple[object, ...]], which: str = _WORKER) -> int:
+    row = conn.execute(f"SELECT count(*) FROM pg_stat_activity WHERE {which}").fetchone()
+    assert row is not None
+    return int(str(row[0]))
+
+
+def _terminate(conn: psycopg.Connection[tuple[object, ...]], which: str = _WORKER) -> int:
+    rows = conn.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+        f"WHERE {which} AND pid <> pg_backend_pid()"
+    ).fetchall()
+    return sum(1 for (killed,) in rows if killed)
+
+
+def test_the_worker_connections_killed_again_and_again_lose_nothing(run: Run) -> None:
+    run.traffic.start().more(100)
+    killed = 0
+    # When the worker's sessions are terminated every few tenths of a second for a while
+    with run.deployment.sql() as conn:
+        deadline = time.monotonic() + OUTAGE
+        while time.monotonic() < deadline:
+            killed += _terminate(conn)
+            hold(0.2)
+    # Then each request is retried on a new connection; nothing lost, nothing dead-lettered,
+    # and the worker never paused: its probe's lost session is no refusal of the database
+    run.traffic.more(100)
+    settle(run)
+    assert killed >= 10, f"only {killed} connections were terminated"
+    assert PAUSED not in run.log()
