@@ -57,7 +57,7 @@ _REFUSALS = {
     "53300": "too many connections",
     "57P01": "shutting down (admin shutdown)",
     "57P02": "restarting after a crash",
-    "57P03": "not accepting connections yet (starting up or recovering)",
+    "57P03": "not accepting connections (starting up, recovering or shutting down)",
     "57014": "statement cancelled (statement_timeout)",
 }
 
@@ -89,10 +89,30 @@ class PostgresSettings(Protocol):
     def store_options(self) -> StoreOptions: ...
 
 
+#: What the server says when it refuses a new connection: libpq reports no SQLSTATE for a
+#: connection that failed, so psycopg's error has none, only the server's words.
+_CONNECT_REFUSALS = (
+    ("too many clients already", "53300"),
+    ("remaining connection slots are reserved", "53300"),
+    ("the database system is shutting down", "57P03"),
+    ("the database system is starting up", "57P03"),
+    ("the database system is in recovery mode", "57P03"),
+    ("the database system is not yet accepting connections", "57P03"),
+)
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    code: str | None = getattr(exc, "sqlstate", None)
+    if code is None and isinstance(exc, psycopg.OperationalError):
+        text = str(exc)
+        code = next((c for words, c in _CONNECT_REFUSALS if words in text), None)
+    return code
+
+
 def describe(exc: BaseException) -> str:
     """Why a database call failed, in one line an operator can act on (no password)."""
     text = redact_urls(str(exc).strip().splitlines()[0] if str(exc).strip() else "")
-    code = getattr(exc, "sqlstate", None)
+    code = _sqlstate(exc)
     if code in _REFUSALS:
         return f"{_REFUSALS[code]}: {text}"
     if (code and code.startswith("08")) or isinstance(exc, psycopg.OperationalError):
@@ -103,7 +123,7 @@ def describe(exc: BaseException) -> str:
 def _refusal(exc: BaseException) -> str | None:
     """Why the database refuses writes, when ``exc`` says it does; None for anything else
     (unreachable, a session it ended)."""
-    code = getattr(exc, "sqlstate", None)
+    code = _sqlstate(exc)
     return describe(exc) if code in _REFUSALS and code != _TERMINATED else None
 
 
@@ -202,9 +222,11 @@ class PostgresStore(CheckpointStore):
         except psycopg.Error as exc:
             if conn is not None and (conn.broken or conn.closed):
                 self._forget(conn)
-            if write and (refusal := _refusal(exc)) is not None:
-                self._refused = (time.monotonic(), refusal)
-            raise StoreUnavailable(f"{action}: PostgreSQL {describe(exc)}") from exc
+            error = StoreUnavailable(f"{action}: PostgreSQL {describe(exc)}")
+            error.refusal = _refusal(exc)
+            if write and error.refusal is not None:
+                self._refused = (time.monotonic(), error.refusal)
+            raise error from exc
         else:
             if write:
                 self._refused = None

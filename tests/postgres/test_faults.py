@@ -11,10 +11,16 @@ back to the queue, and backpressure holds the rest in the broker.
 
 from __future__ import annotations
 
+import errno
+import shutil
+import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -243,3 +249,107 @@ def test_the_worker_connections_killed_again_and_again_lose_nothing(run: Run) ->
     settle(run)
     assert killed >= 10, f"only {killed} connections were terminated"
     assert PAUSED not in run.log()
+
+
+def _hog_every_slot(server: PostgresServer) -> list[psycopg.Connection[tuple[object, ...]]]:
+    """Connections holding every free slot of ``server`` (until it refuses one more)."""
+    hogs: list[psycopg.Connection[tuple[object, ...]]] = []
+    while True:
+        try:
+            hogs.append(psycopg.connect(server.url, autocommit=True, connect_timeout=5))
+        except psycopg.OperationalError as exc:
+            if "too many clients" not in str(exc):
+                raise
+            return hogs
+
+
+def test_no_connection_slot_left_pauses_the_worker_until_one_frees(run: Run) -> None:
+    database = run.deployment.database
+    run.traffic.start().more(100)
+    hogs: list[psycopg.Connection[tuple[object, ...]]] = []
+    try:
+        # When other clients take every slot and the pool processes' connections are cut
+        # (so that they must make new ones), while the probe keeps its own: its writes go
+        # through, and only the real writes meet the limit
+        with run.deployment.sql() as admin:
+            hogs += _hog_every_slot(database)
+
+            def starved() -> bool:
+                _terminate(admin, _POOL)
+                hogs.extend(_hog_every_slot(database))
+                return _backends(admin, _POOL) == 0
+
+            wait_until(starved, timeout=20, message="the worker to hold no connection")
+            paused = run.wait_logged(PAUSED)
+            hold(OUTAGE)
+    finally:
+        for hog in hogs:
+            hog.close()
+    # Then it resumes once slots free, and nothing is lost
+    run.wait_logged(RESUMED, after=paused)
+    run.traffic.more(100)
+    settle(run)
+    why = run.log()[paused:].splitlines()[0]
+    assert "too many connections" in why, why
+
+
+@contextmanager
+def small_tablespace(server: PostgresServer, megabytes: int) -> Iterator[Path]:
+    """A tablespace ``small`` on a tmpfs of ``megabytes`` mounted for the test (root only);
+    dropped and unmounted after. Yields the mount point."""
+    mount = Path(tempfile.mkdtemp(prefix="checkpointq-pg-small-"))
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={megabytes}m,mode=0700", "tmpfs", str(mount)],
+        check=True,
+    )
+    try:
+        shutil.chown(mount, "postgres", "postgres")
+        server.psql(f"CREATE TABLESPACE small LOCATION '{mount}'")
+        try:
+            yield mount
+        finally:
+            server.psql("DROP TABLESPACE IF EXISTS small")
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+        mount.rmdir()
+
+
+def fill(directory: Path) -> Path:
+    """A ballast file taking every free byte of ``directory``'s file system."""
+    ballast = directory / "ballast"
+    chunk = b"\0" * (1 << 16)
+    with ballast.open("wb", buffering=0) as handle:
+        try:
+            while True:
+                handle.write(chunk)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+    return ballast
+
+
+def test_a_full_disk_under_the_sessions_table_loses_nothing_and_heals(run: Run) -> None:
+    deployment = run.deployment
+    database = deployment.database
+    with small_tablespace(database, 16) as mount:
+        # Given the sessions table on a small file system of its own, and producers adding
+        # new sessions (so that the table must grow)
+        database.psql(f"ALTER TABLE {deployment.schema}.sessions SET TABLESPACE small")
+        try:
+            run.traffic.sessions, run.traffic.content_size = 5000, 600
+            run.traffic.start().more(100)
+            # When that file system fills up
+            ballast = fill(mount)
+            refused = run.wait_logged("disk full")
+            hold(OUTAGE)
+            # Then once space is freed the same worker applies every request, nothing
+            # dead-lettered
+            ballast.unlink()
+            run.traffic.more(200)
+            settle(run)
+            paused = run.log()[refused:].index(PAUSED)
+            why = run.log()[refused:][paused:].splitlines()[0]
+            assert "disk full" in why, why
+            assert RESUMED in run.log()[refused:][paused:]
+        finally:
+            database.psql(f"ALTER TABLE {deployment.schema}.sessions SET TABLESPACE pg_default")
