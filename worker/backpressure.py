@@ -19,6 +19,7 @@ docs/design.md has the whole behaviour.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -138,6 +139,9 @@ class StoreGate:
                 refusal,
                 ", ".join(q.name for q in self._queues),
             )
+        elif _kind(refusal) != _kind(self.refusals[side]):
+            # (a failover: unreachable while the primary stops, then read-only)
+            logger.warning("%s still refuses writes, now %s", side, refusal)
         self.refusals[side] = refusal
 
     def _resume(self) -> None:
@@ -159,6 +163,12 @@ class StoreGate:
             ", ".join(q.name for q in self._queues),
         )
         self.refusals, self._queues = {}, []
+
+
+def _kind(refusal: str) -> str:
+    """The words a refusal starts with ("read-only", "unreachable", "disk full"), without
+    the server's own message."""
+    return re.split(r"[:(]", refusal, maxsplit=1)[0].strip()
 
 
 class _StoreProbe:

@@ -26,11 +26,15 @@ import psycopg
 import pytest
 
 from checkpointq.tasks.producer.client import CheckpointClient
+from checkpointq.worker.settings import Settings
 from tests.faults.harness import SAVE, Request, hold, judge, winners
 from tests.postgres.conftest import PgDeployment
+from tests.postgres.proxy import Proxy
+from tests.support.celery_processes import CeleryProcess, checkpointq_env
 from tests.support.checkpoints import make_checkpoint
 from tests.support.postgres import PostgresServer
-from tests.support.servers import wait_until
+from tests.support.servers import RedisServer, wait_until
+from tests.support.workers import TEST_WORKER_SETTINGS
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -353,3 +357,66 @@ def test_a_full_disk_under_the_sessions_table_loses_nothing_and_heals(run: Run) 
             assert RESUMED in run.log()[refused:][paused:]
         finally:
             database.psql(f"ALTER TABLE {deployment.schema}.sessions SET TABLESPACE pg_default")
+
+
+@pytest.fixture
+def failover() -> Iterator[tuple[Run, PostgresServer, PostgresServer, Proxy]]:
+    """A deployment whose worker reaches its primary through a proxy (the address that
+    moves in a failover), with a streaming standby beside it."""
+    broker = RedisServer().start()
+    primary = PostgresServer().start()
+    proxy = Proxy(primary.port)
+    standby: PostgresServer | None = None
+    worker: CeleryProcess | None = None
+    client: CheckpointClient | None = None
+    try:
+        values = {
+            **TEST_WORKER_SETTINGS,
+            **_RETRIES,
+            "broker_url": broker.url,
+            "store_url": proxy.url(),
+            "pg_schema": "failover",
+        }
+        worker = CeleryProcess("worker", checkpointq_env(**values)).start()
+        settings = Settings(**values)  # type: ignore[arg-type]
+        deployment = PgDeployment(broker, primary, worker, settings)
+        # (the worker made the schema as it started: the standby copies it)
+        standby = PostgresServer(standby_of=primary).start()
+        client = deployment.checkpoint_client()
+        assert worker.process is not None
+        run = Run(deployment, client, Traffic(client), worker.process.pid, len(worker.log()))
+        yield run, primary, standby, proxy
+    finally:
+        if client is not None:
+            client.close()
+        if worker is not None:
+            code = worker.stop()
+            print(f"--- worker log (exit {code}) ---\n{worker.log()}")
+        proxy.close()
+        for server in (standby, primary):
+            if server is not None:
+                server.cleanup()
+        broker.cleanup()
+
+
+def test_a_failover_to_a_read_only_standby_pauses_until_it_is_promoted(
+    failover: tuple[Run, PostgresServer, PostgresServer, Proxy],
+) -> None:
+    run, primary, standby, proxy = failover
+    run.traffic.start().more(100)
+    # When the primary stops and the worker's address moves to the standby, which serves
+    # reads but refuses every write, for several retry budgets
+    primary.stop()
+    proxy.retarget(standby.port)
+    proxy.drop_all()
+    paused = run.wait_logged(PAUSED)
+    # (the worker says so: at once, or once the stopping primary's refusals give way)
+    wait_until(lambda: "read-only" in run.log()[paused:], timeout=30, message="read-only")
+    hold(OUTAGE)
+    # Then once the standby is promoted the same worker takes messages again, and every
+    # request accepted before, during and after the failover is in the new primary
+    standby.promote()
+    run.wait_logged(RESUMED, after=paused)
+    run.traffic.more(100)
+    run.deployment.database = standby
+    settle(run)

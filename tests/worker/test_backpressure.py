@@ -173,3 +173,24 @@ def test_a_trip_with_a_hold_keeps_the_gate_paused_though_the_probe_is_accepted(
     wait_until(resumed, timeout=5, message="the hold to end")
     assert time.monotonic() - started > 0.2
     assert consumer.consuming_from("gate")
+
+
+def test_a_refusal_that_changes_kind_while_paused_is_announced(
+    kombu_consumer: tuple[Any, Any, list[Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a gate paused while the primary stops, then probing a standby (a failover)
+    _, consumer, _ = kombu_consumer
+    answers = iter(
+        [
+            "unreachable (OperationalError: connection refused)",
+            "unreachable (OperationalError: connection refused, again)",
+            "read-only (a standby, not the primary): cannot execute INSERT",
+        ]
+    )
+    gate = StoreGate(SimpleNamespace(task_consumer=consumer), lambda: next(answers))
+    gate.tick()
+    gate.tick()
+    assert "still refuses" not in caplog.text  # the same kind: no second line
+    gate.tick()
+    assert "store still refuses writes, now read-only (a standby" in caplog.text
+    assert caplog.text.count("store refusing writes") == 1
