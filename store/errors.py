@@ -38,6 +38,11 @@ class StoreNotConfigured(CheckpointError, ValueError):
 class StoreUnavailable(CheckpointError):
     """The backing store could not be reached or answered with a transient error."""
 
+    #: Why, when the store answered that it refuses writes now (a full disk, no connection
+    #: slot left, read-only), in plain words; None when it could not be reached at all.
+    #: Kept through pickling, so that a pool process's failure tells the worker's gate.
+    refusal: str | None = None
+
 
 class CorruptCheckpoint(CheckpointError):
     """A stored value exists but cannot be decoded; one session is affected, not the store."""

@@ -57,9 +57,14 @@ _REFUSALS = {
     "53300": "too many connections",
     "57P01": "shutting down (admin shutdown)",
     "57P02": "restarting after a crash",
-    "57P03": "not accepting connections yet (starting up or recovering)",
+    "57P03": "not accepting connections (starting up, recovering or shutting down)",
     "57014": "statement cancelled (statement_timeout)",
 }
+
+#: A session the server ended: ``pg_terminate_backend`` as well as a shutdown. No refusal
+#: to remember or to report beyond the call: the next call connects again, and a stopping
+#: server is what the worker's own probe sees.
+_TERMINATED = "57P01"
 
 #: How long a refused write keeps ``write_refusal`` answering after a probe write went
 #: through (a full disk refuses a table's growth while a one-row probe still fits).
@@ -84,10 +89,30 @@ class PostgresSettings(Protocol):
     def store_options(self) -> StoreOptions: ...
 
 
+#: What the server says when it refuses a new connection: libpq reports no SQLSTATE for a
+#: connection that failed, so psycopg's error has none, only the server's words.
+_CONNECT_REFUSALS = (
+    ("too many clients already", "53300"),
+    ("remaining connection slots are reserved", "53300"),
+    ("the database system is shutting down", "57P03"),
+    ("the database system is starting up", "57P03"),
+    ("the database system is in recovery mode", "57P03"),
+    ("the database system is not yet accepting connections", "57P03"),
+)
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    code: str | None = getattr(exc, "sqlstate", None)
+    if code is None and isinstance(exc, psycopg.OperationalError):
+        text = str(exc)
+        code = next((c for words, c in _CONNECT_REFUSALS if words in text), None)
+    return code
+
+
 def describe(exc: BaseException) -> str:
     """Why a database call failed, in one line an operator can act on (no password)."""
     text = redact_urls(str(exc).strip().splitlines()[0] if str(exc).strip() else "")
-    code = getattr(exc, "sqlstate", None)
+    code = _sqlstate(exc)
     if code in _REFUSALS:
         return f"{_REFUSALS[code]}: {text}"
     if (code and code.startswith("08")) or isinstance(exc, psycopg.OperationalError):
@@ -96,8 +121,10 @@ def describe(exc: BaseException) -> str:
 
 
 def _refusal(exc: BaseException) -> str | None:
-    code = getattr(exc, "sqlstate", None)
-    return describe(exc) if code in _REFUSALS else None
+    """Why the database refuses writes, when ``exc`` says it does; None for anything else
+    (unreachable, a session it ended)."""
+    code = _sqlstate(exc)
+    return describe(exc) if code in _REFUSALS and code != _TERMINATED else None
 
 
 def _sid(session_id: str) -> bytes:
@@ -199,9 +226,11 @@ class PostgresStore(CheckpointStore):
         except psycopg.Error as exc:
             if conn is not None and (conn.broken or conn.closed):
                 self._forget(conn)
-            if write and (refusal := _refusal(exc)) is not None:
-                self._refused = (time.monotonic(), refusal)
-            raise StoreUnavailable(f"{action}: PostgreSQL {describe(exc)}") from exc
+            error = StoreUnavailable(f"{action}: PostgreSQL {describe(exc)}")
+            error.refusal = _refusal(exc)
+            if write and error.refusal is not None:
+                self._refused = (time.monotonic(), error.refusal)
+            raise error from exc
         else:
             if write:
                 self._refused = None
@@ -477,15 +506,30 @@ class PostgresStore(CheckpointStore):
         with self._connection("ping") as conn:
             conn.execute("SELECT 1")
 
+    def _probe_write(self) -> None:
+        with self._connection("probe write", write=False) as conn:
+            conn.execute(
+                f"INSERT INTO {self.schema}.write_probe VALUES (1, clock_timestamp()) "
+                "ON CONFLICT (id) DO UPDATE SET written_at = excluded.written_at"
+            )
+
     def write_refusal(self) -> str | None:
         """None when the database took a probe write (and no real write was refused in
-        the last minute); else why not."""
+        the last minute); else why not.
+
+        A probe that fails on a connection made earlier, losing it, tries once more on a
+        new one: a session the server ended (``pg_terminate_backend``, an idle timeout, a
+        restart since) says nothing of whether the database takes writes now."""
         try:
-            with self._connection("probe write", write=False) as conn:
-                conn.execute(
-                    f"INSERT INTO {self.schema}.write_probe VALUES (1, clock_timestamp()) "
-                    "ON CONFLICT (id) DO UPDATE SET written_at = excluded.written_at"
-                )
+            try:
+                earlier = getattr(self._local, "conn", None) is not None
+                self._probe_write()
+            except postgres_schema.SchemaMismatch:
+                raise
+            except StoreUnavailable:
+                if not earlier or getattr(self._local, "conn", None) is not None:
+                    raise
+                self._probe_write()
         except postgres_schema.SchemaMismatch as exc:
             return str(exc)
         except StoreUnavailable as exc:

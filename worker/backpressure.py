@@ -8,14 +8,18 @@ event loop: every ``store_probe_seconds`` it writes a probe key (``checkpointq.s
 and cancels the task queues while the write is refused, adding them back once one is
 accepted. The broker is probed the same way. A refusal seen elsewhere in the process (a dead
 letter that could not be written: ``trip()``; a refused ack, reject or requeue:
-``trip_broker()``) closes the gate at once. Messages already held are retried (each retry
-waits in the queue too); one whose retries run out meanwhile is requeued, never
-acknowledged. docs/design.md has the whole behaviour.
+``trip_broker()``) closes the gate at once; so does a database's refusal met by a coalesced
+group's write (``worker/coalesce.py``: a full disk under the sessions table, no connection
+slot left), and it holds the gate closed for a few probes, as the probe's own write on its
+own connection may not meet it. Messages already held are retried (each retry waits in the
+queue too); one whose retries run out meanwhile is requeued, never acknowledged.
+docs/design.md has the whole behaviour.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,6 +39,9 @@ logger = logging.getLogger(__name__)
 #: Seconds a probe waits for the store to connect and answer: it runs in the event loop.
 PROBE_TIMEOUT = 1.0
 
+#: Probe intervals a refusal seen by a write holds the gate paused (``StoreGate.trip_hold``).
+TRIP_HOLD_PROBES = 5
+
 Probe = Callable[[], "str | None"]
 
 #: The sides a gate probes, as its log lines and ``checkpointq health`` name them.
@@ -46,7 +53,12 @@ class StoreGate:
     adds them back once both accept them."""
 
     def __init__(
-        self, consumer: Any, probe_write: Probe, probe_broker: Probe | None = None
+        self,
+        consumer: Any,
+        probe_write: Probe,
+        probe_broker: Probe | None = None,
+        *,
+        trip_hold: float = 0.0,
     ) -> None:
         self.consumer = consumer
         self.probes: dict[str, Probe] = {STORE: probe_write}
@@ -54,6 +66,12 @@ class StoreGate:
             self.probes[BROKER] = probe_broker
         #: Why each refusing side refuses writes, while paused; empty while consuming.
         self.refusals: dict[str, str] = {}
+        #: Seconds a ``trip()`` keeps its side refusing whatever the probes answer: for
+        #: refusals a probe's own write may not meet (a full disk under the sessions table
+        #: while the probe's row still fits; no connection slot left while the probe holds
+        #: one). Once it lapses, the next refused write trips the gate again.
+        self.trip_hold = trip_hold
+        self._trips: dict[str, tuple[float, str]] = {}
         self._paused_at = 0.0
         self._queues: list[Any] = []
 
@@ -73,6 +91,12 @@ class StoreGate:
         refusals = {
             side: why for side, probe_write in self.probes.items() if (why := probe_write())
         }
+        now = time.monotonic()
+        for side, (at, why) in list(self._trips.items()):
+            if now - at >= self.trip_hold:
+                del self._trips[side]
+            else:
+                refusals.setdefault(side, why)
         if refusals:
             for side, why in refusals.items():
                 self._pause(side, why)
@@ -83,6 +107,8 @@ class StoreGate:
 
     def trip(self, why: str, side: str = STORE) -> None:
         """Pause now: this process just saw ``side`` refuse a write."""
+        if self.trip_hold > 0:
+            self._trips[side] = (time.monotonic(), why)
         self._pause(side, why)
 
     def carry(self, earlier: StoreGate) -> None:
@@ -93,6 +119,7 @@ class StoreGate:
             self._stop_taking()
             self.refusals = dict(earlier.refusals)
             self._paused_at = earlier._paused_at
+        self._trips = dict(earlier._trips)
 
     def _stop_taking(self) -> None:
         task_consumer = self.consumer.task_consumer
@@ -112,6 +139,9 @@ class StoreGate:
                 refusal,
                 ", ".join(q.name for q in self._queues),
             )
+        elif _kind(refusal) != _kind(self.refusals[side]):
+            # (a failover: unreachable while the primary stops, then read-only)
+            logger.warning("%s still refuses writes, now %s", side, refusal)
         self.refusals[side] = refusal
 
     def _resume(self) -> None:
@@ -133,6 +163,12 @@ class StoreGate:
             ", ".join(q.name for q in self._queues),
         )
         self.refusals, self._queues = {}, []
+
+
+def _kind(refusal: str) -> str:
+    """The words a refusal starts with ("read-only", "unreachable", "disk full"), without
+    the server's own message."""
+    return re.split(r"[:(]", refusal, maxsplit=1)[0].strip()
 
 
 class _StoreProbe:
@@ -241,7 +277,15 @@ def install(app: Celery, settings: Settings) -> None:
                 _DatabaseProbe(resolved) if resolved.store_is_postgres else _StoreProbe(resolved)
             )
             self._broker = _BrokerProbe(resolved)
-            gate = StoreGate(consumer, self._probe, self._broker)
+            # A database's refusals reach the gate from the writes too (worker/coalesce.py):
+            # those hold it paused for a few probes, as its probe may not meet them.
+            hold = TRIP_HOLD_PROBES * settings.store_probe_seconds
+            gate = StoreGate(
+                consumer,
+                self._probe,
+                self._broker,
+                trip_hold=hold if resolved.store_is_postgres else 0.0,
+            )
             if self._gate is not None:
                 gate.carry(self._gate)
             self._gate = _current = gate

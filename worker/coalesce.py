@@ -206,6 +206,10 @@ class Coalescer:
 
         def on_error(exc: Any) -> None:
             logger.warning("a group of %d requests failed (%s): each runs alone", len(group), exc)
+            # The store said it refuses writes (a full disk, no connection slot): take no
+            # more messages for now, as when the worker's own probe is refused.
+            if refusal := _refusal_of(exc):
+                backpressure.trip(refusal)
             self._settle(group, [None] * len(group), flushes)
 
         try:
@@ -310,6 +314,14 @@ class Coalescer:
             (reply,) = pipe.execute(raise_on_error=False)
         if isinstance(reply, Exception):
             logger.warning("could not settle %d pending records: %s", len(keys) - 1, reply)
+
+
+def _refusal_of(error: Any) -> str | None:
+    """``StoreUnavailable.refusal`` of a pool job's error, as billiard hands it over (an
+    ``ExceptionInfo`` whose ``exception`` wraps the job's exception as ``exc``)."""
+    inner = getattr(error, "exception", error)
+    refusal = getattr(getattr(inner, "exc", inner), "refusal", None)
+    return str(refusal) if refusal else None
 
 
 def _body(message: Any) -> bytes:

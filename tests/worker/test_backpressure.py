@@ -4,6 +4,7 @@ put-back of an item whose dead letter cannot be written."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +22,7 @@ from checkpointq.tasks.runtime import Runtime
 from checkpointq.worker import backpressure
 from checkpointq.worker.backpressure import StoreGate
 from checkpointq.worker.hooks import kombu as kombu_hooks
+from tests.support.servers import wait_until
 
 # kombu's hints are partial (untyped functions): its classes are used as Any here.
 Connection: Any = connection.Connection
@@ -147,3 +149,48 @@ def test_a_malformed_item_whose_dead_letter_cannot_be_written_goes_back_to_the_q
     # Then the item is back in the queue, and the worker pauses
     assert broker.lrange("checkpoints", 0, -1) == [b"not json"]
     assert tripped and "Redis unavailable" in tripped[0]
+
+
+def test_a_trip_with_a_hold_keeps_the_gate_paused_though_the_probe_is_accepted(
+    kombu_consumer: tuple[Any, Any, list[Any]],
+) -> None:
+    # Given a gate whose trips hold (a database: a full disk refuses the table's growth while
+    # the probe's one row still fits)
+    _, consumer, _ = kombu_consumer
+    gate = StoreGate(SimpleNamespace(task_consumer=consumer), lambda: None, trip_hold=0.5)
+    # When a write is refused, the probe that follows is accepted, yet the pause goes on
+    gate.trip("disk full: could not extend file")
+    gate.tick()
+    assert gate.paused and gate.refusal == "store refusing writes: disk full: could not extend file"
+    assert not consumer.consuming_from("gate")
+
+    # Then a probe after the hold resumes it
+    def resumed() -> bool:
+        gate.tick()
+        return not gate.paused
+
+    started = time.monotonic()
+    wait_until(resumed, timeout=5, message="the hold to end")
+    assert time.monotonic() - started > 0.2
+    assert consumer.consuming_from("gate")
+
+
+def test_a_refusal_that_changes_kind_while_paused_is_announced(
+    kombu_consumer: tuple[Any, Any, list[Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a gate paused while the primary stops, then probing a standby (a failover)
+    _, consumer, _ = kombu_consumer
+    answers = iter(
+        [
+            "unreachable (OperationalError: connection refused)",
+            "unreachable (OperationalError: connection refused, again)",
+            "read-only (a standby, not the primary): cannot execute INSERT",
+        ]
+    )
+    gate = StoreGate(SimpleNamespace(task_consumer=consumer), lambda: next(answers))
+    gate.tick()
+    gate.tick()
+    assert "still refuses" not in caplog.text  # the same kind: no second line
+    gate.tick()
+    assert "store still refuses writes, now read-only (a standby" in caplog.text
+    assert caplog.text.count("store refusing writes") == 1

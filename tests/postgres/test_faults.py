@@ -1,0 +1,422 @@
+"""The PostgreSQL store's fault rows (issue 32): the database stopped or restarting, a
+read-only standby, connections killed or none to be had, a full disk. Each runs under
+steady producer traffic through ``CheckpointClient`` and ends with the same check: every
+session's final state is the last request accepted for it (loaded through the client and
+straight from the store), nothing dead-lettered, the worker never restarted.
+
+The module's server is its own (they stop, fill and refuse it); the retry budget is short
+(``_RETRIES``), so that every outage here outlasts it: requests whose retries run out go
+back to the queue, and backpressure holds the rest in the broker.
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from checkpointq.tasks.producer.client import CheckpointClient
+from checkpointq.worker.settings import Settings
+from tests.faults.harness import SAVE, Request, hold, judge, winners
+from tests.postgres.conftest import PgDeployment
+from tests.postgres.proxy import Proxy
+from tests.support.celery_processes import CeleryProcess, checkpointq_env
+from tests.support.checkpoints import make_checkpoint
+from tests.support.postgres import PostgresServer
+from tests.support.servers import RedisServer, wait_until
+from tests.support.workers import TEST_WORKER_SETTINGS
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+#: What the worker logs when it stops taking messages, and when it takes them again.
+PAUSED = "store refusing writes"
+RESUMED = "taking messages from"
+
+#: A retry budget of well under a second (at most 0.1 + 0.2 + 0.4 s of backoff): each
+#: outage below lasts several times longer.
+_RETRIES: dict[str, object] = {
+    "retry_max": 3,
+    "retry_backoff_seconds": 0.1,
+    "retry_backoff_max_seconds": 0.4,
+}
+_BUDGET = 0.1 + 0.2 + 0.4
+#: How long each fault is held: several retry budgets and probe intervals.
+OUTAGE = 4.0
+
+
+@pytest.fixture(scope="module")
+def pg_database() -> Iterator[PostgresServer]:
+    """A server of this module's own, with few connection slots (cheap to exhaust)."""
+    server = PostgresServer(max_connections=20).start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture(scope="module")
+def pg_settings() -> dict[str, object]:
+    return dict(_RETRIES)
+
+
+@dataclass
+class Traffic:
+    """Saves through ``CheckpointClient`` from a thread, at a steady rate; every accepted
+    request (its handle's seq) is kept."""
+
+    client: CheckpointClient
+    sessions: int = 40
+    rate: float = 150.0
+    prefix: str = "s"
+    content_size: int = 16
+    sent: list[Request] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    _thread: threading.Thread | None = None
+
+    def start(self) -> Traffic:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        i, next_at = 0, time.monotonic()
+        try:
+            while not self.stop.wait(max(0.0, next_at - time.monotonic())):
+                sid = f"{self.prefix}-{i % self.sessions:04d}"
+                cp = make_checkpoint(sid, version=i + 1, content_size=self.content_size)
+                handle = self.client.save(cp)
+                assert handle.seq is not None
+                self.sent.append(Request(SAVE, sid, handle.seq, version=i + 1))
+                i += 1
+                next_at += 1.0 / self.rate
+        except BaseException as exc:  # reported by finish(): a producer must never fail here
+            self.error = exc
+
+    def more(self, count: int, timeout: float = 30.0) -> None:
+        """Until ``count`` more requests were accepted (traffic goes on after a fault)."""
+        target = len(self.sent) + count
+        wait_until(lambda: len(self.sent) >= target, timeout=timeout, message="more traffic")
+
+    def finish(self) -> list[Request]:
+        self.stop.set()
+        assert self._thread is not None
+        self._thread.join(timeout=30)
+        assert self.error is None, f"the producer failed: {self.error!r}"
+        assert self.sent, "nothing was published"
+        return list(self.sent)
+
+
+@dataclass
+class Run:
+    """One test's deployment, its producer, and what the worker was when it began."""
+
+    deployment: PgDeployment
+    client: CheckpointClient
+    traffic: Traffic
+    pid: int
+    mark: int
+
+    def log(self) -> str:
+        """The worker's log lines since the test began."""
+        return self.deployment.worker.log()[self.mark :]
+
+    def wait_logged(self, text: str, timeout: float = 30.0, after: int = 0) -> int:
+        """Until the worker logs ``text`` (after offset ``after`` of ``log()``); its offset."""
+        wait_until(lambda: text in self.log()[after:], timeout=timeout, message=repr(text))
+        return self.log().index(text, after)
+
+
+@pytest.fixture
+def run(pg_live: PgDeployment) -> Iterator[Run]:
+    process = pg_live.worker.process
+    assert process is not None
+    client = pg_live.checkpoint_client()
+    traffic = Traffic(client)
+    try:
+        yield Run(pg_live, client, traffic, process.pid, len(pg_live.worker.log()))
+    finally:
+        traffic.stop.set()
+        client.close()
+
+
+def settle(run: Run, timeout: float = 60.0) -> list[Request]:
+    """Stop the traffic; check that every accepted request took effect, nothing was
+    dead-lettered and the same worker process did it all."""
+    sent = run.traffic.finish()
+    deployment = run.deployment
+    store = deployment.store()
+    try:
+        wait_until(
+            lambda: judge(store, sent).exact, timeout=timeout, message="every request applied"
+        )
+        deployment.wait_drained(timeout)
+        verdict = judge(store, sent)
+        assert verdict.exact, verdict
+        final = winners(sent)
+        for sid, win in final.items():
+            through_client = run.client.load(sid)
+            assert through_client is not None and through_client.version == win.version, sid
+            direct = store.load(sid)
+            assert direct is not None and direct.version == win.version, sid
+    finally:
+        store.close()
+    assert deployment.dead_letters().count() == 0, deployment.dead_letters().list()
+    process = deployment.worker.process
+    assert process is not None and process.poll() is None, "the worker exited"
+    assert process.pid == run.pid, "the worker was restarted"
+    assert "ready." not in run.log(), "the worker started again"
+    return sent
+
+
+@pytest.mark.parametrize("mode", ["fast", "immediate"])
+def test_a_database_stopped_beyond_the_retry_budget_loses_and_dead_letters_nothing(
+    run: Run, mode: str
+) -> None:
+    # Given producers saving steadily through the client
+    database = run.deployment.database
+    run.traffic.start().more(100)
+    # When the database stops (cleanly, or as a crash) for several retry budgets
+    database.stop(mode=mode)
+    stopped = time.monotonic()
+    paused = run.wait_logged(PAUSED)
+    hold(OUTAGE - (time.monotonic() - stopped))
+    outage = time.monotonic() - stopped
+    database.start()
+    # Then the same worker takes messages again once it answers, and every accepted request
+    # (those published during the outage too) lands; none is dead-lettered
+    run.wait_logged(RESUMED, after=paused)
+    run.traffic.more(100)
+    settle(run)
+    assert outage > _BUDGET * 4
+    why = run.log()[paused:].splitlines()[0]
+    assert any(word in why for word in ("unreachable", "shutting down", "recovering")), why
+
+
+def test_a_database_turned_read_only_pauses_the_worker_until_it_takes_writes(run: Run) -> None:
+    database = run.deployment.database
+    run.traffic.start().more(100)
+    # When every transaction becomes read-only (as on a standby) for several retry budgets
+    database.psql("ALTER SYSTEM SET default_transaction_read_only = on")
+    database.psql("SELECT pg_reload_conf()")
+    paused = run.wait_logged(PAUSED)
+    hold(OUTAGE)
+    database.psql("ALTER SYSTEM RESET default_transaction_read_only")
+    database.psql("SELECT pg_reload_conf()")
+    # Then the worker says why it paused, resumes by itself, and nothing is lost
+    run.wait_logged(RESUMED, after=paused)
+    run.traffic.more(100)
+    settle(run)
+    assert "read-only" in run.log()[paused:].splitlines()[0]
+
+
+#: The worker's sessions, or those of its pool processes only (the probe's session runs
+#: nothing but the probe write).
+_WORKER = "application_name = 'checkpointq'"
+_POOL = f"{_WORKER} AND query NOT LIKE '%write_probe%'"
+
+
+def _backends(conn: psycopg.Connection[tuple[object, ...]], which: str = _WORKER) -> int:
+    row = conn.execute(f"SELECT count(*) FROM pg_stat_activity WHERE {which}").fetchone()
+    assert row is not None
+    return int(str(row[0]))
+
+
+def _terminate(conn: psycopg.Connection[tuple[object, ...]], which: str = _WORKER) -> int:
+    rows = conn.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+        f"WHERE {which} AND pid <> pg_backend_pid()"
+    ).fetchall()
+    return sum(1 for (killed,) in rows if killed)
+
+
+def test_the_worker_connections_killed_again_and_again_lose_nothing(run: Run) -> None:
+    run.traffic.start().more(100)
+    killed = 0
+    # When the worker's sessions are terminated every few tenths of a second for a while
+    with run.deployment.sql() as conn:
+        deadline = time.monotonic() + OUTAGE
+        while time.monotonic() < deadline:
+            killed += _terminate(conn)
+            hold(0.2)
+    # Then each request is retried on a new connection; nothing lost, nothing dead-lettered,
+    # and the worker never paused: its probe's lost session is no refusal of the database
+    run.traffic.more(100)
+    settle(run)
+    assert killed >= 10, f"only {killed} connections were terminated"
+    assert PAUSED not in run.log()
+
+
+def _hog_every_slot(server: PostgresServer) -> list[psycopg.Connection[tuple[object, ...]]]:
+    """Connections holding every free slot of ``server`` (until it refuses one more)."""
+    hogs: list[psycopg.Connection[tuple[object, ...]]] = []
+    while True:
+        try:
+            hogs.append(psycopg.connect(server.url, autocommit=True, connect_timeout=5))
+        except psycopg.OperationalError as exc:
+            if "too many clients" not in str(exc):
+                raise
+            return hogs
+
+
+def test_no_connection_slot_left_pauses_the_worker_until_one_frees(run: Run) -> None:
+    database = run.deployment.database
+    run.traffic.start().more(100)
+    hogs: list[psycopg.Connection[tuple[object, ...]]] = []
+    try:
+        # When other clients take every slot and the pool processes' connections are cut
+        # (so that they must make new ones), while the probe keeps its own: its writes go
+        # through, and only the real writes meet the limit
+        with run.deployment.sql() as admin:
+            hogs += _hog_every_slot(database)
+
+            def starved() -> bool:
+                _terminate(admin, _POOL)
+                hogs.extend(_hog_every_slot(database))
+                return _backends(admin, _POOL) == 0
+
+            wait_until(starved, timeout=20, message="the worker to hold no connection")
+            paused = run.wait_logged(PAUSED)
+            hold(OUTAGE)
+    finally:
+        for hog in hogs:
+            hog.close()
+    # Then it resumes once slots free, and nothing is lost
+    run.wait_logged(RESUMED, after=paused)
+    run.traffic.more(100)
+    settle(run)
+    why = run.log()[paused:].splitlines()[0]
+    assert "too many connections" in why, why
+
+
+@contextmanager
+def small_tablespace(server: PostgresServer, megabytes: int) -> Iterator[Path]:
+    """A tablespace ``small`` on a tmpfs of ``megabytes`` mounted for the test (root only);
+    dropped and unmounted after. Yields the mount point."""
+    mount = Path(tempfile.mkdtemp(prefix="checkpointq-pg-small-"))
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={megabytes}m,mode=0700", "tmpfs", str(mount)],
+        check=True,
+    )
+    try:
+        shutil.chown(mount, "postgres", "postgres")
+        server.psql(f"CREATE TABLESPACE small LOCATION '{mount}'")
+        try:
+            yield mount
+        finally:
+            server.psql("DROP TABLESPACE IF EXISTS small")
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+        mount.rmdir()
+
+
+def fill(directory: Path) -> Path:
+    """A ballast file taking every free byte of ``directory``'s file system."""
+    ballast = directory / "ballast"
+    chunk = b"\0" * (1 << 16)
+    with ballast.open("wb", buffering=0) as handle:
+        try:
+            while True:
+                handle.write(chunk)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+    return ballast
+
+
+def test_a_full_disk_under_the_sessions_table_loses_nothing_and_heals(run: Run) -> None:
+    deployment = run.deployment
+    database = deployment.database
+    with small_tablespace(database, 16) as mount:
+        # Given the sessions table on a small file system of its own, and producers adding
+        # new sessions (so that the table must grow)
+        database.psql(f"ALTER TABLE {deployment.schema}.sessions SET TABLESPACE small")
+        try:
+            run.traffic.sessions, run.traffic.content_size = 5000, 600
+            run.traffic.start().more(100)
+            # When that file system fills up
+            ballast = fill(mount)
+            refused = run.wait_logged("disk full")
+            hold(OUTAGE)
+            # Then once space is freed the same worker applies every request, nothing
+            # dead-lettered
+            ballast.unlink()
+            run.traffic.more(200)
+            settle(run)
+            paused = run.log()[refused:].index(PAUSED)
+            why = run.log()[refused:][paused:].splitlines()[0]
+            assert "disk full" in why, why
+            assert RESUMED in run.log()[refused:][paused:]
+        finally:
+            database.psql(f"ALTER TABLE {deployment.schema}.sessions SET TABLESPACE pg_default")
+
+
+@pytest.fixture
+def failover() -> Iterator[tuple[Run, PostgresServer, PostgresServer, Proxy]]:
+    """A deployment whose worker reaches its primary through a proxy (the address that
+    moves in a failover), with a streaming standby beside it."""
+    broker = RedisServer().start()
+    primary = PostgresServer().start()
+    proxy = Proxy(primary.port)
+    standby: PostgresServer | None = None
+    worker: CeleryProcess | None = None
+    client: CheckpointClient | None = None
+    try:
+        values = {
+            **TEST_WORKER_SETTINGS,
+            **_RETRIES,
+            "broker_url": broker.url,
+            "store_url": proxy.url(),
+            "pg_schema": "failover",
+        }
+        worker = CeleryProcess("worker", checkpointq_env(**values)).start()
+        settings = Settings(**values)  # type: ignore[arg-type]
+        deployment = PgDeployment(broker, primary, worker, settings)
+        # (the worker made the schema as it started: the standby copies it)
+        standby = PostgresServer(standby_of=primary).start()
+        client = deployment.checkpoint_client()
+        assert worker.process is not None
+        run = Run(deployment, client, Traffic(client), worker.process.pid, len(worker.log()))
+        yield run, primary, standby, proxy
+    finally:
+        if client is not None:
+            client.close()
+        if worker is not None:
+            code = worker.stop()
+            print(f"--- worker log (exit {code}) ---\n{worker.log()}")
+        proxy.close()
+        for server in (standby, primary):
+            if server is not None:
+                server.cleanup()
+        broker.cleanup()
+
+
+def test_a_failover_to_a_read_only_standby_pauses_until_it_is_promoted(
+    failover: tuple[Run, PostgresServer, PostgresServer, Proxy],
+) -> None:
+    run, primary, standby, proxy = failover
+    run.traffic.start().more(100)
+    # When the primary stops and the worker's address moves to the standby, which serves
+    # reads but refuses every write, for several retry budgets
+    primary.stop()
+    proxy.retarget(standby.port)
+    proxy.drop_all()
+    paused = run.wait_logged(PAUSED)
+    # (the worker says so: at once, or once the stopping primary's refusals give way)
+    wait_until(lambda: "read-only" in run.log()[paused:], timeout=30, message="read-only")
+    hold(OUTAGE)
+    # Then once the standby is promoted the same worker takes messages again, and every
+    # request accepted before, during and after the failover is in the new primary
+    standby.promote()
+    run.wait_logged(RESUMED, after=paused)
+    run.traffic.more(100)
+    run.deployment.database = standby
+    settle(run)
