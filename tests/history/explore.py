@@ -197,8 +197,14 @@ def explore(
         if postgres
         else {flag: World(running, one_redis=flag, settle_source=source) for flag in (True, False)}
     )
-    with _quiet():
-        return _explore(worlds, seconds, first_seed, variant, stop_at_first, progress, histories)
+    try:
+        with _quiet():
+            return _explore(
+                worlds, seconds, first_seed, variant, stop_at_first, progress, histories
+            )
+    finally:
+        for world in worlds.values():
+            world.close()
 
 
 def _explore(
@@ -304,7 +310,10 @@ def replay(path: Path, running: Servers, *, postgres: bool | None = None) -> lis
         settle_source=variant_source(data["variant"]),
         postgres=postgres,
     )
-    return check(world.run([Action.from_json(a) for a in data["actions"]]))
+    try:
+        return check(world.run([Action.from_json(a) for a in data["actions"]]))
+    finally:
+        world.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -290,6 +290,11 @@ class World:
         #: A settle.lua of another rule (a broken variant, to show the checker finds it).
         self.settle_source = settle_source
 
+    def close(self) -> None:
+        """Close the world's own connections (a run's stores close at its end)."""
+        if self.sql is not None:
+            self.sql.close()
+
     # -- a run ------------------------------------------------------------------------------
 
     def run(self, actions: Sequence[Action]) -> History:
