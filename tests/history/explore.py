@@ -90,9 +90,24 @@ def random_action(rng: random.Random) -> Action:
     return Action(name, args)
 
 
-def random_history(seed: int) -> list[Action]:
+#: The share of steps followed by a sweep, in histories that sweep.
+_SWEEP_RATE = 0.05
+
+
+def random_history(seed: int, *, sweeps: bool = False) -> list[Action]:
+    """The seed's history; with ``sweeps``, a sweep after about one step in twenty, drawn
+    from a stream of their own, so that the other steps are still the seed's."""
     rng = random.Random(seed)
-    return [random_action(rng) for _ in range(rng.randint(40, 120))]
+    actions = [random_action(rng) for _ in range(rng.randint(40, 120))]
+    if not sweeps:
+        return actions
+    sweep_rng = random.Random(f"sweeps {seed}")
+    with_sweeps: list[Action] = []
+    for action in actions:
+        with_sweeps.append(action)
+        if sweep_rng.random() < _SWEEP_RATE:
+            with_sweeps.append(Action("sweep"))
+    return with_sweeps
 
 
 @dataclass
@@ -144,6 +159,8 @@ class Figures:
     def summary(self) -> str:
         steps = sum(self.actions.values())
         faults = {k: self.actions[k] for k in ("crash", "restore", "loss", "hijack", "advance")}
+        if self.actions["sweep"]:
+            faults["sweep"] = self.actions["sweep"]
         return (
             f"{self.histories} histories, {steps} steps in {self.seconds:.0f} s: "
             f"{self.requests} requests accepted, {self.refused_at_publish} refused at publish, "
@@ -223,7 +240,8 @@ def _explore(
         histories is None or figures.histories < histories
     ):
         world = worlds[seed % 2 == 0] if len(worlds) == 2 else next(iter(worlds.values()))
-        history = world.run(random_history(seed))
+        # PostgreSQL worlds sweep: there the sweep rewrites rows (values due, spent fences).
+        history = world.run(random_history(seed, sweeps=world.postgres))
         figures.add(history)
         violations = check(history)
         if violations:

@@ -564,6 +564,12 @@ class World:
             envelope = json.dumps(json.loads(payload)[0])
             (self.broker.rpush if end % 2 else self.broker.lpush)(QUEUE, envelope)
 
+    def _sweep(self) -> None:
+        """The periodic sweep (the ``expire_stale`` task's body, under its lock): a
+        PostgreSQL store clears due values and forgets spent fences in it, where Redis lets
+        its keys expire on their own."""
+        checkpoints.expire_stale()
+
     def _advance(self, milliseconds: int) -> None:
         self.clock.advance(max(0, milliseconds) * 1000)
 
