@@ -32,6 +32,9 @@ def timeshift_library() -> Path:
     if compiler is None:
         raise RuntimeError("no C compiler to build tests/history/timeshift.c (gcc)")
     target = Path(tempfile.mkdtemp(prefix="cq-timeshift-")) / "timeshift.so"
+    # Readable by every user: PostgreSQL runs as ``postgres`` when the tests run as root,
+    # and ld.so skips (with a line on stderr only) a preload it cannot open.
+    target.parent.chmod(0o755)
     subprocess.run(
         [compiler, "-O2", "-shared", "-fPIC", "-o", str(target), str(_SOURCE)],
         check=True,
@@ -46,6 +49,9 @@ class SharedClock:
     def __init__(self, path: Path) -> None:
         self.path = path
         path.write_bytes(struct.pack("<q", 0))
+        # Readable by a server running as another user (``postgres``): timeshift.c reads an
+        # offset it cannot open as 0, silently, so its directory must let it through too.
+        path.chmod(0o644)
         self._file = path.open("r+b")
         self._map = mmap.mmap(self._file.fileno(), 8)
 

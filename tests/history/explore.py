@@ -1,9 +1,11 @@
 """Random histories, run and checked; a failing one shrunk to a minimal reproducer and kept.
 
     python -m tests.history [--seconds N] [--seed S] [--variant NAME] [--keep DIR]
+                            [--store redis|postgres]
 
-runs histories (alternating one-Redis and two-Redis worlds) for N seconds (default 3600:
-the long mode, whose figures docs/reliability.md reports), and prints what it explored. A
+runs histories (alternating one-Redis and two-Redis worlds; with ``--store postgres``, worlds
+whose store is PostgreSQL beside a Redis broker) for N seconds (default 3600: the long mode,
+whose figures docs/reliability.md reports), and prints what it explored. A
 history that breaks an invariant is shrunk (``shrink``: delta debugging over its actions,
 re-running each candidate on a clean world) and written to tests/history/regressions/, where
 ``test_histories.py`` replays every file on each run of the suite.
@@ -88,9 +90,24 @@ def random_action(rng: random.Random) -> Action:
     return Action(name, args)
 
 
-def random_history(seed: int) -> list[Action]:
+#: The share of steps followed by a sweep, in histories that sweep.
+_SWEEP_RATE = 0.05
+
+
+def random_history(seed: int, *, sweeps: bool = False) -> list[Action]:
+    """The seed's history; with ``sweeps``, a sweep after about one step in twenty, drawn
+    from a stream of their own, so that the other steps are still the seed's."""
     rng = random.Random(seed)
-    return [random_action(rng) for _ in range(rng.randint(40, 120))]
+    actions = [random_action(rng) for _ in range(rng.randint(40, 120))]
+    if not sweeps:
+        return actions
+    sweep_rng = random.Random(f"sweeps {seed}")
+    with_sweeps: list[Action] = []
+    for action in actions:
+        with_sweeps.append(action)
+        if sweep_rng.random() < _SWEEP_RATE:
+            with_sweeps.append(Action("sweep"))
+    return with_sweeps
 
 
 @dataclass
@@ -102,12 +119,14 @@ class Finding:
     variant: str | None
     actions: list[Action]
     violations: list[str]
+    postgres: bool = False
 
     def as_json(self) -> dict[str, object]:
         return {
             "found": f"seed {self.seed}",
             "violation": self.violations[0],
             "one_redis": self.one_redis,
+            "store": "postgres" if self.postgres else "redis",
             "variant": self.variant,
             "actions": [a.as_json() for a in self.actions],
         }
@@ -140,6 +159,8 @@ class Figures:
     def summary(self) -> str:
         steps = sum(self.actions.values())
         faults = {k: self.actions[k] for k in ("crash", "restore", "loss", "hijack", "advance")}
+        if self.actions["sweep"]:
+            faults["sweep"] = self.actions["sweep"]
         return (
             f"{self.histories} histories, {steps} steps in {self.seconds:.0f} s: "
             f"{self.requests} requests accepted, {self.refused_at_publish} refused at publish, "
@@ -182,15 +203,29 @@ def explore(
     stop_at_first: bool = True,
     progress: Callable[[Figures], None] | None = None,
     histories: int | None = None,
+    postgres: bool = False,
 ) -> tuple[Figures, list[Finding]]:
     """Run random histories for ``seconds`` (or ``histories`` of them, if fewer); shrink
-    each one that fails."""
-    with _quiet():
-        return _explore(running, seconds, first_seed, variant, stop_at_first, progress, histories)
+    each one that fails. ``postgres``: every history in a PostgreSQL world (``running``
+    must run PostgreSQL)."""
+    source = variant_source(variant)
+    worlds = (
+        {False: World(running, one_redis=False, settle_source=source, postgres=True)}
+        if postgres
+        else {flag: World(running, one_redis=flag, settle_source=source) for flag in (True, False)}
+    )
+    try:
+        with _quiet():
+            return _explore(
+                worlds, seconds, first_seed, variant, stop_at_first, progress, histories
+            )
+    finally:
+        for world in worlds.values():
+            world.close()
 
 
 def _explore(
-    running: Servers,
+    worlds: dict[bool, World],
     seconds: float,
     first_seed: int,
     variant: str | None,
@@ -198,23 +233,30 @@ def _explore(
     progress: Callable[[Figures], None] | None,
     histories: int | None,
 ) -> tuple[Figures, list[Finding]]:
-    source = variant_source(variant)
-    worlds = {flag: World(running, one_redis=flag, settle_source=source) for flag in (True, False)}
     figures, findings = Figures(), []
     started = time.monotonic()
     seed = first_seed
     while time.monotonic() - started < seconds and (
         histories is None or figures.histories < histories
     ):
-        one_redis = seed % 2 == 0
-        world = worlds[one_redis]
-        history = world.run(random_history(seed))
+        world = worlds[seed % 2 == 0] if len(worlds) == 2 else next(iter(worlds.values()))
+        # PostgreSQL worlds sweep: there the sweep rewrites rows (values due, spent fences).
+        history = world.run(random_history(seed, sweeps=world.postgres))
         figures.add(history)
         violations = check(history)
         if violations:
             actions = shrink(world, history.actions)
             shrunk = world.run(actions)
-            findings.append(Finding(seed, one_redis, variant, actions, check(shrunk) or violations))
+            findings.append(
+                Finding(
+                    seed,
+                    world.one_redis,
+                    variant,
+                    actions,
+                    check(shrunk) or violations,
+                    world.postgres,
+                )
+            )
             if stop_at_first or len(findings) >= _MAX_FINDINGS:
                 break
         seed += 1
@@ -257,6 +299,7 @@ def keep(finding: Finding, directory: Path = REGRESSIONS) -> Path:
     """Write ``finding`` as a regression test (``test_histories.py`` replays the folder)."""
     directory.mkdir(parents=True, exist_ok=True)
     prefix = f"{finding.variant}-" if finding.variant else ""
+    prefix += "postgres-" if finding.postgres else ""
     path = directory / f"{prefix}seed-{finding.seed}.json"
     path.write_text(render(finding.as_json()))
     return path
@@ -270,13 +313,25 @@ def render(data: dict[str, object]) -> str:
     return "{\n" + "\n".join(lines) + '\n "actions": [\n' + ",\n".join(steps) + "\n ]\n}\n"
 
 
-def replay(path: Path, running: Servers) -> list[str]:
-    """Run a kept history again: its violations, if it fails once more."""
+def replay(path: Path, running: Servers, *, postgres: bool | None = None) -> list[str]:
+    """Run a kept history again: its violations, if it fails once more. ``postgres``: in a
+    PostgreSQL world (True) or a Redis one (False) whatever store it was found on; None:
+    on its own (``"store"``, Redis for files older than the PostgreSQL worlds). A history
+    found in a one-Redis world has no broker losses there; in another world its ``loss``
+    steps do lose the broker, and the invariants must hold all the same."""
     data = json.loads(path.read_text())
+    if postgres is None:
+        postgres = data.get("store", "redis") == "postgres"
     world = World(
-        running, one_redis=bool(data["one_redis"]), settle_source=variant_source(data["variant"])
+        running,
+        one_redis=bool(data["one_redis"]),
+        settle_source=variant_source(data["variant"]),
+        postgres=postgres,
     )
-    return check(world.run([Action.from_json(a) for a in data["actions"]]))
+    try:
+        return check(world.run([Action.from_json(a) for a in data["actions"]]))
+    finally:
+        world.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -285,8 +340,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--variant", help="a broken settle.lua of tests/history/variants")
     parser.add_argument("--keep", type=Path, default=REGRESSIONS, help="where reproducers go")
+    parser.add_argument(
+        "--store",
+        choices=("redis", "postgres"),
+        default="redis",
+        help="redis: one- and two-Redis worlds; postgres: a PostgreSQL store beside the broker",
+    )
     options = parser.parse_args(argv)
-    with servers() as running:
+    postgres = options.store == "postgres"
+    with servers(postgres=postgres) as running:
         figures, findings = explore(
             running,
             seconds=options.seconds,
@@ -294,8 +356,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             variant=options.variant,
             stop_at_first=False,
             progress=lambda f: print(f.summary(), flush=True),
+            postgres=postgres,
         )
-    print(f"seeds from {options.seed}: {figures.summary()}")
+    print(f"{options.store} worlds, seeds from {options.seed}: {figures.summary()}")
     for finding in findings:
         path = keep(finding, options.keep)
         print(f"VIOLATION (seed {finding.seed}, shrunk to {len(finding.actions)} steps, {path}):")

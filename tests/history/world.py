@@ -10,6 +10,11 @@ scripts. What the world plays itself is what kombu and the operating system do: 
 message into ``unacked``, restoring it after the visibility timeout, a worker dying, a broker
 losing its data, and time passing (``clock.SharedClock``, which the servers follow).
 
+The store is a second redis-server, the broker's own (a one-Redis world), or a
+``PostgresStore`` on a private PostgreSQL whose clock follows the same ``SharedClock``
+(a PostgreSQL world: the broker stays Redis, with the pending records and, as beside a
+database in a deployment, the dead letters).
+
 A history is a list of actions (``Action``: a name and small integers, resolved against the
 world's state when run, so that any sub-list of a history still runs). ``World.run`` plays
 one, records what each producer saw (``History``), and ends by letting the workers drain
@@ -28,12 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import redis
 from celery import Celery
 
-from checkpointq.store.base import Fence, StoreOptions
+from checkpointq.store.base import CheckpointStore, Fence, StoreOptions
 from checkpointq.store.keys import KeySpace
 from checkpointq.store.ordering import deadline_ms
+from checkpointq.store.postgres import PostgresStore
 from checkpointq.store.redis import RedisStore
 from checkpointq.tasks import checkpoints, coalesced, messages, runtime
 from checkpointq.tasks.dead_letters import DeadLetters
@@ -46,10 +53,13 @@ from checkpointq.tasks.runtime import Runtime
 from tests.history.clock import SharedClock
 from tests.support.checkpoints import make_checkpoint
 from tests.support.envelopes import protocol2
+from tests.support.postgres import PostgresServer
 from tests.support.servers import RedisServer
 
 QUEUE = "checkpoints"
 PREFIX = "hist"
+#: The PostgreSQL worlds' schema.
+SCHEMA = "history"
 
 #: The protocol's constants, scaled down so that histories cross every one of them.
 TTL_S = 30.0
@@ -167,6 +177,8 @@ class History:
 
     one_redis: bool
     actions: list[Action]
+    #: The store was PostgreSQL (the broker Redis apart from it).
+    postgres: bool = False
     requests: dict[str, Request] = field(default_factory=dict)
     refused_at_publish: list[tuple[str, str, str]] = field(default_factory=list)
     reads: list[Read] = field(default_factory=list)
@@ -200,37 +212,88 @@ class _Held:
 
 class Servers:
     """The broker and the store: two redis-servers on the shared clock (one of them is both
-    in one-Redis worlds)."""
+    in one-Redis worlds), and with ``postgres`` a PostgreSQL server on that clock too."""
 
-    def __init__(self) -> None:
-        self.clock = SharedClock(Path(tempfile.mkdtemp(prefix="cq-history-")) / "offset")
+    def __init__(self, *, postgres: bool = False) -> None:
+        directory = Path(tempfile.mkdtemp(prefix="cq-history-"))
+        directory.chmod(0o755)  # PostgreSQL (user postgres) maps the offset file in it
+        self.clock = SharedClock(directory / "offset")
         env = self.clock.server_env()
         self.broker = RedisServer(env=env).start()
         self.store = RedisServer(env=env).start()
+        self.postgres: PostgresServer | None = None
+        if postgres:
+            self.postgres = PostgresServer(env=env).start()
+            self._check_postgres_follows_the_clock()
+
+    def _check_postgres_follows_the_clock(self) -> None:
+        """An hour's jump must show in ``clock_timestamp()`` at once: a preload the server
+        could not open or an offset it could not map would leave the database on the wall
+        clock, and every deadline it judges would then be wrong without a word."""
+        assert self.postgres is not None
+        hour_us = 3_600_000_000
+        with psycopg.connect(self.postgres.url, autocommit=True) as conn:
+            self.clock.advance(hour_us)
+            row = conn.execute("SELECT extract(epoch FROM clock_timestamp())").fetchone()
+            assert row is not None
+            lag_us = self.clock.now_us() - int(float(row[0]) * 1_000_000)
+        if abs(lag_us) > hour_us // 2:
+            raise RuntimeError(
+                f"PostgreSQL's clock does not follow the history's ({lag_us} µs behind): "
+                "is timeshift.so or its offset file unreadable to the server's user?"
+            )
 
     def close(self) -> None:
         self.broker.cleanup()
         self.store.cleanup()
+        if self.postgres is not None:
+            self.postgres.cleanup()
         self.clock.close()
 
 
 class World:
-    """One history's world on ``servers``: its state is reset by ``run``."""
+    """One history's world on ``servers``: its state is reset by ``run``.
 
-    def __init__(self, servers: Servers, *, one_redis: bool, settle_source: str | None = None):
+    ``postgres``: the store is a ``PostgresStore`` (``servers`` must run PostgreSQL), and
+    ``store_client`` is the broker's Redis, where the dead letters go.
+    """
+
+    def __init__(
+        self,
+        servers: Servers,
+        *,
+        one_redis: bool,
+        settle_source: str | None = None,
+        postgres: bool = False,
+    ):
         self.servers = servers
         self.clock = servers.clock
-        self.one_redis = one_redis
+        self.one_redis = one_redis and not postgres
+        self.postgres = postgres
         self.keys = KeySpace(PREFIX)
-        store_server = servers.broker if one_redis else servers.store
+        store_server = servers.broker if self.one_redis or postgres else servers.store
         self.broker_url, self.store_url = servers.broker.url, store_server.url
         self.broker: redis.Redis = servers.broker.client()
         self.store_client: redis.Redis = store_server.client()
         self.options = StoreOptions(ttl_seconds=TTL_S, tombstone_ttl_seconds=MARGIN_S)
+        self.sql: psycopg.Connection[Any] | None = None
+        if postgres:
+            if servers.postgres is None:
+                raise ValueError("a PostgreSQL world needs Servers(postgres=True)")
+            self.store_url = servers.postgres.url
+            schema_maker = PostgresStore(self.store_url, schema=SCHEMA)
+            schema_maker.ping()  # creates the schema, as any store's first use would
+            schema_maker.close()
+            self.sql = psycopg.connect(self.store_url, autocommit=True)
         self.app = Celery("history", set_as_current=False)
         checkpoints.register(self.app)
         #: A settle.lua of another rule (a broken variant, to show the checker finds it).
         self.settle_source = settle_source
+
+    def close(self) -> None:
+        """Close the world's own connections (a run's stores close at its end)."""
+        if self.sql is not None:
+            self.sql.close()
 
     # -- a run ------------------------------------------------------------------------------
 
@@ -238,16 +301,16 @@ class World:
         """Play ``actions`` from a clean world, then drain; the history of what was seen."""
         self.broker.flushall()
         self.broker.script_flush()
-        if not self.one_redis:
+        if self.sql is not None:
+            self.sql.execute(f"TRUNCATE {SCHEMA}.sessions")
+        elif not self.one_redis:
             self.store_client.flushall()
-        self.history = History(self.one_redis, list(actions))
+        self.history = History(self.one_redis, list(actions), postgres=self.postgres)
         self.versions = 0
         self.clients = {name: self._client(skew) for name, skew in PRODUCERS}
         self.handles: list[Request] = []
         self.held: list[list[_Held]] = [[] for _ in range(WORKERS)]
-        store = RedisStore(
-            self.store_client, prefix=PREFIX, options=self.options, clock=self.clock.now
-        )
+        store = self._new_store()
         settler = (
             Settler(self.broker, self.keys)
             if self.settle_source is None
@@ -277,13 +340,23 @@ class World:
             for client in self.clients.values():
                 client.close()
             runtime.reset()
+            store.close()
         self.history.end_us = self.clock.now_us()
         return self.history
 
+    def _new_store(self) -> CheckpointStore:
+        """A store of this world's kind on its own connections, judging by its clock."""
+        store: CheckpointStore
+        if self.postgres:
+            store = PostgresStore(self.store_url, schema=SCHEMA, options=self.options)
+        else:
+            store = RedisStore.from_url(self.store_url, prefix=PREFIX, options=self.options)
+        store.clock = self.clock.now
+        return store
+
     def _client(self, skew_s: float) -> CheckpointClient:
         skew_us = int(skew_s * 1_000_000)
-        store = RedisStore.from_url(self.store_url, prefix=PREFIX, options=self.options)
-        store.clock = self.clock.now
+        store = self._new_store()
         return CheckpointClient(
             self.broker_url,
             store,
@@ -491,12 +564,19 @@ class World:
             envelope = json.dumps(json.loads(payload)[0])
             (self.broker.rpush if end % 2 else self.broker.lpush)(QUEUE, envelope)
 
+    def _sweep(self) -> None:
+        """The periodic sweep (the ``expire_stale`` task's body, under its lock): a
+        PostgreSQL store clears due values and forgets spent fences in it, where Redis lets
+        its keys expire on their own."""
+        checkpoints.expire_stale()
+
     def _advance(self, milliseconds: int) -> None:
         self.clock.advance(max(0, milliseconds) * 1000)
 
     def _loss(self) -> None:
-        """The broker restarts without its data (two-Redis worlds only: in a one-Redis world
-        that would be the store's loss too, which nothing survives)."""
+        """The broker restarts without its data (two-Redis and PostgreSQL worlds only: in a
+        one-Redis world that would be the store's loss too, which nothing survives). Beside
+        PostgreSQL the dead letters live on the broker, and are lost with it."""
         if self.one_redis:
             return
         now = self.clock.now_us()
@@ -553,8 +633,8 @@ class VariantSettler(Settler):
 
 
 @contextmanager
-def servers() -> Iterator[Servers]:
-    running = Servers()
+def servers(*, postgres: bool = False) -> Iterator[Servers]:
+    running = Servers(postgres=postgres)
     try:
         yield running
     finally:

@@ -74,6 +74,10 @@ class PostgresServer:
     port: int = field(default_factory=free_port)
     max_connections: int = 50
     standby_of: PostgresServer | None = None
+    #: More environment for the server's processes (tests/history moves its clock with
+    #: LD_PRELOAD): pg_ctl hands its own environment to the postmaster, and runuser passes
+    #: it on to pg_ctl.
+    env: dict[str, str] = field(default_factory=dict)
     directory: Path = field(init=False)
     _bin: Path = field(init=False)
 
@@ -101,6 +105,7 @@ class PostgresServer:
             timeout=120,
             check=check,
             cwd=self.directory,
+            env={**os.environ, **self.env} if self.env else None,
         )
 
     def _init(self) -> None:
