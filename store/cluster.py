@@ -13,14 +13,10 @@ The URL rules (``is_cluster_url``, ``cluster_seeds``) are in ``checkpointq.store
 A cluster has only database 0 and no unix sockets. Unlike the single-Redis client, the
 cluster client connects when it is built (it must learn the slot map first).
 
-The client retries a command that failed with a connection error, a timeout, ``CLUSTERDOWN``
-or an uncovered slot ``CLUSTER_RETRIES`` times, relearning the slot map, without waiting in
-between: a failover that outlasts them reaches the caller (``StoreUnavailable`` from the
-store), whose own policy waits and retries (``checkpointq.tasks.policy``). redis-py's cluster
-client did not wait between its retries by default until 8.2, which sleeps as its retry's
-backoff says (by default exponential, up to 1 s each: seconds over its 10 retries), so that
-one call blocks through a whole failover and the caller never hears of it. The count and the
-backoff are therefore set here, the same on every redis-py the store supports.
+The client retries a command that failed on a connection error, a timeout, ``CLUSTERDOWN``
+or an uncovered slot ``CLUSTER_RETRIES`` times without waiting, on every redis-py: a failover
+that outlasts them reaches the caller as ``StoreUnavailable``, and the worker's retry policy
+does the waiting (docs/scaling.md, "Failover").
 """
 
 from __future__ import annotations
