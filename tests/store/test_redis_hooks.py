@@ -23,7 +23,7 @@ def _fresh_verdict() -> Iterator[None]:
 
 
 def test_the_hand_sent_path_is_proven_on_the_installed_redis_py() -> None:
-    # scripts/test-matrix runs this on the lowest and highest redis-py supported
+    # on the lowest and highest redis-py supported (scripts/test-matrix, main suite)
     assert redis_hooks.refusal() is None
 
 

@@ -40,7 +40,7 @@ def _fresh_verdict() -> Iterator[None]:
 
 
 def test_the_hooks_are_proven_on_the_installed_kombu() -> None:
-    # scripts/test-matrix runs this on the lowest and highest kombu the worker supports
+    # on the lowest and highest kombu the worker supports (scripts/test-matrix, main suite)
     assert kombu_hooks.refusal() is None
 
 

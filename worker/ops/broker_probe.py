@@ -164,7 +164,7 @@ def sentinel_master_client(
     }
     if sentinel_password:
         sentinel_kwargs["password"] = sentinel_password
-    group = Sentinel(  # type: ignore[no-untyped-call]  # redis.sentinel: no hints
+    group = Sentinel(
         sentinels,
         sentinel_kwargs=sentinel_kwargs,
         username=parsed.username,
@@ -176,7 +176,7 @@ def sentinel_master_client(
     )
     # Without retry=, redis-py's master client retries a failed lookup with backoff for
     # several seconds.
-    client: redis.Redis = group.master_for(master, retry=_no_retries())  # type: ignore[no-untyped-call]
+    client: redis.Redis = group.master_for(master, retry=_no_retries())
     return client
 
 
