@@ -53,7 +53,7 @@ func newPGStore(db *sql.DB, schema string) *pgStore {
 			"t.value IS NOT NULL AND t.value_deadline_ms > now.ms FROM now, " + s + ".sessions AS t " +
 			"WHERE t.session_id = ANY(ARRAY(SELECT decode(h, 'hex') FROM unnest($1::text[]) AS h))",
 		live: "SELECT session_id FROM " + s + ".sessions WHERE value IS NOT NULL " +
-			"AND value_deadline_ms > " + s + ".now_ms()",
+			"AND value_deadline_ms > (SELECT " + s + ".now_ms())",
 	}
 }
 

@@ -30,6 +30,10 @@ CREATE TABLE IF NOT EXISTS {schema}.sessions (
     updated_at timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 
+-- The value is zstd already: EXTERNAL keeps TOAST from trying (and failing) to compress it
+-- again with pglz on every write, a fifth of a group's time in the database.
+ALTER TABLE {schema}.sessions ALTER COLUMN value SET STORAGE EXTERNAL;
+
 -- The sweep's index: only rows holding a value, by deadline. A sweep with nothing due reads
 -- one index page, whatever the number of sessions.
 CREATE INDEX IF NOT EXISTS sessions_due ON {schema}.sessions (value_deadline_ms) WHERE value IS NOT NULL;
