@@ -28,6 +28,7 @@ SECTIONS = {
     "sweep": "bench.sweep_bench",
     "reconcile": "bench.reconcile_bench",
     "cluster": "bench.cluster_bench",
+    "postgres": "bench.postgres_bench",
 }
 
 RESULTS = Path(__file__).parent / "results"

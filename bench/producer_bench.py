@@ -31,7 +31,15 @@ from typing import Any
 import redis
 from celery import Celery
 
-from bench.harness import RunConfig, SectionReport, Summary, Target, percentile, summarize
+from bench.harness import (
+    RunConfig,
+    SectionReport,
+    Summary,
+    Target,
+    percentile,
+    summarize,
+    time_calls,
+)
 from bench.workload import make_checkpoint
 from checkpointq.store import RedisStore
 from checkpointq.store.serde import checkpoint_to_wire
@@ -91,7 +99,7 @@ def _measure_loads(server: RedisServer, calls: int, config: RunConfig) -> dict[s
         p50: dict[str, list[float]] = {w: [] for w in LOADS}
         for rep in range(config.repeats):
             for name in LOADS[rep % 3 :] + LOADS[: rep % 3]:
-                p50[name].append(percentile(_time_calls(ways[name], calls), 50))
+                p50[name].append(percentile(time_calls(ways[name], calls), 50))
     finally:
         client.close()
         raw.close()
@@ -176,7 +184,7 @@ def _measure(
         for rep in range(config.repeats):
             for name in WAYS[rep % 3 :] + WAYS[: rep % 3]:
                 raw.delete(QUEUE)
-                micros = _time_calls(ways[name], calls)
+                micros = time_calls(ways[name], calls)
                 per_rep_p50[name].append(percentile(micros, 50))
                 per_rep_p99[name].append(percentile(micros, 99))
                 everything[name] += micros
@@ -228,16 +236,6 @@ def _write_loads(
             None if config.quick else worst / direct <= LOAD_VS_DIRECT_TARGET,
         )
     )
-
-
-def _time_calls(op: Callable[[int], object], calls: int) -> list[float]:
-    clock = time.perf_counter
-    micros: list[float] = []
-    for i in range(calls):
-        start = clock()
-        op(i)
-        micros.append((clock() - start) * 1e6)
-    return micros
 
 
 def _write(

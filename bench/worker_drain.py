@@ -69,7 +69,7 @@ DEPLOYED = [
 @contextmanager
 def running_worker(
     broker: RedisServer,
-    store: RedisServer,
+    store: RedisServer | str,
     pool: str = "prefork",
     concurrency: int = 2,
     kind: str = "save",
@@ -79,13 +79,14 @@ def running_worker(
 ) -> Iterator[CeleryProcess]:
     """One worker of ``kind`` on ``broker``'s ``QUEUE``, stopped afterwards.
 
+    ``store`` is a store server, or a store URL (a PostgreSQL one: ``bench/postgres_bench.py``).
     ``settings`` are further ``CHECKPOINTQ_*`` settings for our workers; ``command`` starts
     ours another way than ``celery -A`` (``DEPLOYED``: ``checkpointq worker``); ``extra_env``
     are further environment variables (``BENCH_TRACE_FILE`` for the ``traced`` kind).
     """
     env = checkpointq_env(
         broker_url=broker.url,
-        store_url=store.url,
+        store_url=store if isinstance(store, str) else store.url,
         queue=QUEUE,
         pool=pool,
         concurrency=concurrency,
@@ -150,7 +151,7 @@ class Staged:
 CPU_PARTS = ("main", "pool", "broker", "store")
 
 
-def _cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds a process has used so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -182,7 +183,7 @@ class CpuMeter:
         )
 
     def read(self) -> dict[str, float]:
-        return {part: sum(_cpu_seconds(pid) for pid in self.pids[part]) for part in CPU_PARTS}
+        return {part: sum(cpu_seconds(pid) for pid in self.pids[part]) for part in CPU_PARTS}
 
 
 def stage(

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.postgres import postgres_bin
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -37,6 +39,18 @@ def test_quick_run_writes_a_report_with_every_section_and_its_plots(tmp_path: Pa
     for plot in ("store_ops.png", "store_split.png", "sweep_time.png"):
         assert f"]({plot})" in report
         assert (out / plot).stat().st_size > 0
+    # and the PostgreSQL section with its targets, where the server programs are installed
+    assert "## PostgreSQL: queued saves against synchronous upserts" in report
+    if postgres_bin() is not None:
+        for row in (
+            "postgres: producer save p50 vs PostgresStore.save, loopback",
+            "postgres: producer save p50 vs PostgresStore.save, 1 ms RTT",
+            "postgres: worker drain saves/s vs one loop of PostgresStore.save, 1 ms RTT",
+            "postgres: worker drain saves/s vs 8 parallel loops, loopback",
+            "postgres: sweep with nothing stale among",
+            "postgres: expirations/s",
+        ):
+            assert row in report
 
 
 def test_unknown_section_is_refused_before_anything_runs(tmp_path: Path) -> None:
