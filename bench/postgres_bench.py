@@ -62,6 +62,9 @@ DATABASE = "bench"
 #: The deployment's schema (the worker's default) and the sessions part's own.
 SCHEMA = "checkpointq"
 SWEEP_SCHEMA = "sweep"
+#: The same sessions in a table hash-partitioned PARTITIONS ways (docs/scaling.md).
+PARTED_SCHEMA = "sweep_parted"
+PARTITIONS = 4
 #: Added round trip the far database is given, and the proxy's first try at it.
 TARGET_RTT_MS = 1.0
 LINKS = ("loopback", "1 ms RTT")
@@ -192,7 +195,8 @@ def run(config: RunConfig) -> SectionReport:
                 for link, url in urls.items()
             }
             rtt_after = _measure_rtt(direct_url, proxied_url, rtt.delay_ms, config)
-        sweeps = _sweeps(direct_url, size, config)
+        sweeps = _sweeps(direct_url, size, config, SWEEP_SCHEMA)
+        parted = _sweeps(direct_url, size, config, PARTED_SCHEMA, partitions=PARTITIONS)
         version = pg.psql("SHOW server_version")
     finally:
         broker.cleanup()
@@ -201,6 +205,7 @@ def run(config: RunConfig) -> SectionReport:
     _write_latencies(report, latencies, size, config)
     _write_drains(report, drains, size, config)
     _write_sweeps(report, sweeps, size, config)
+    _write_parted(report, sweeps, parted, size)
     return report
 
 
@@ -500,7 +505,7 @@ def _populate(conn: psycopg.Connection[Any], store: PostgresStore, sessions: int
     deadline = now_ms + store.ttl_ms
     started = time.perf_counter()
     conn.execute(
-        f"INSERT INTO {SWEEP_SCHEMA}.sessions (session_id, value, value_deadline_ms, version,"
+        f"INSERT INTO {store.schema}.sessions (session_id, value, value_deadline_ms, version,"
         " last_run_ref, metadata, fence_seq, fence_deleted, fence_request_id, fence_lapsed,"
         " fence_expires_ms) SELECT convert_to('live-' || lpad(g::text, 7, '0'), 'UTF8'),"
         " %(value)s, %(deadline)s, %(version)s, %(ref)s, %(metadata)s::jsonb, %(seq)s, false,"
@@ -516,18 +521,18 @@ def _populate(conn: psycopg.Connection[Any], store: PostgresStore, sessions: int
             "n": sessions,
         },
     )
-    conn.execute(f"VACUUM ANALYZE {SWEEP_SCHEMA}.sessions")
+    conn.execute(f"VACUUM ANALYZE {store.schema}.sessions")
     elapsed = time.perf_counter() - started
     _check_layout(conn, store)
     return elapsed
 
 
-def _shape(conn: psycopg.Connection[Any], session_id: bytes) -> tuple[Any, ...]:
+def _shape(conn: psycopg.Connection[Any], schema: str, session_id: bytes) -> tuple[Any, ...]:
     row = conn.execute(
         "SELECT value IS NULL, version IS NULL, metadata IS NULL, fence_deleted,"
         " fence_lapsed, fence_expires_ms - value_deadline_ms, fence_seq > 0,"
         " value_deadline_ms - (fence_seq / 1000) BETWEEN 0 AND %s"
-        f" FROM {SWEEP_SCHEMA}.sessions WHERE session_id = %s",
+        f" FROM {schema}.sessions WHERE session_id = %s",
         (10 * 60 * 1000 + 30 * DAY_MS, session_id),
     ).fetchone()
     return tuple(row) if row else ()
@@ -536,16 +541,17 @@ def _shape(conn: psycopg.Connection[Any], session_id: bytes) -> tuple[Any, ...]:
 def _check_layout(conn: psycopg.Connection[Any], store: PostgresStore) -> None:
     """Refuse to measure if populated rows differ from what ``save`` writes."""
     store.save(make_checkpoint("bench-reference", 500))
-    mine, real = _shape(conn, b"live-0000000"), _shape(conn, b"bench-reference")
-    conn.execute(f"DELETE FROM {SWEEP_SCHEMA}.sessions WHERE session_id = 'bench-reference'")
+    schema = store.schema
+    mine, real = _shape(conn, schema, b"live-0000000"), _shape(conn, schema, b"bench-reference")
+    conn.execute(f"DELETE FROM {schema}.sessions WHERE session_id = 'bench-reference'")
     if mine != real:
         raise RuntimeError(f"populated row {mine} differs from a saved one {real}")
 
 
-def _make_stale(conn: psycopg.Connection[Any], first: int, count: int) -> None:
+def _make_stale(conn: psycopg.Connection[Any], schema: str, first: int, count: int) -> None:
     """Sessions ``first`` .. ``first + count - 1`` an hour past their deadline."""
     conn.execute(
-        f"UPDATE {SWEEP_SCHEMA}.sessions SET value_deadline_ms = %s WHERE session_id >= %s"
+        f"UPDATE {schema}.sessions SET value_deadline_ms = %s WHERE session_id >= %s"
         " AND session_id < %s",
         (
             int(time.time() * 1000) - 60 * 60 * 1000,
@@ -564,22 +570,26 @@ def _sweep_all(sweep: Callable[[], list[str]]) -> tuple[int, float]:
     return expired, time.perf_counter() - started
 
 
-def _plan(conn: psycopg.Connection[Any], clock: str) -> str:
+def _plan(conn: psycopg.Connection[Any], schema: str, clock: str) -> str:
     """The plan of the sweep's lookup of due values (node types only)."""
     rows = conn.execute(
-        f"EXPLAIN SELECT session_id FROM {SWEEP_SCHEMA}.sessions WHERE value IS NOT NULL"
+        f"EXPLAIN SELECT session_id FROM {schema}.sessions WHERE value IS NOT NULL"
         f" AND value_deadline_ms <= {clock} ORDER BY value_deadline_ms LIMIT 1000"
     ).fetchall()
     nodes = [str(r[0]).strip().lstrip("-> ").split("  (cost")[0] for r in rows]
     return " / ".join(f"`{n}`" for n in nodes if not n.startswith("Sort Key"))
 
 
-def _sweeps(url: str, size: Sizes, config: RunConfig) -> Sweeps:
+def _sweeps(url: str, size: Sizes, config: RunConfig, schema: str, partitions: int = 0) -> Sweeps:
+    """The sweeps in ``schema``; with ``partitions``, its sessions table hash-partitioned
+    that many ways first, as docs/scaling.md has an operator do it."""
     repeats = min(config.repeats, 3)
     calls = 3 if config.quick else 5
-    store = PostgresStore(url, schema=SWEEP_SCHEMA)
-    store.ping()  # the schema
     conn = psycopg.connect(url, autocommit=True)
+    if partitions:
+        _partitioned_table(conn, schema, partitions)
+    store = PostgresStore(url, schema=schema)
+    store.ping()  # the schema
     ways: dict[str, Callable[[], list[str]]] = {
         DB_CLOCK: lambda: store.expire_stale(limit=SWEEP_LIMIT),
         GIVEN_NOW: lambda: store.expire_stale(now=time.time(), limit=SWEEP_LIMIT),
@@ -589,7 +599,10 @@ def _sweeps(url: str, size: Sizes, config: RunConfig) -> Sweeps:
     runs: list[tuple[str, int, float]] = []
     try:
         populate = _populate(conn, store, size.sessions)
-        plans = {DB_CLOCK: _plan(conn, f"{SWEEP_SCHEMA}.now_ms()"), GIVEN_NOW: _plan(conn, "0")}
+        plans = {
+            DB_CLOCK: _plan(conn, schema, f"(SELECT {schema}.now_ms())"),
+            GIVEN_NOW: _plan(conn, schema, "0"),
+        }
         first = 0
         for rep in range(repeats):
             order = list(ways) if rep % 2 == 0 else list(reversed(ways))
@@ -599,8 +612,8 @@ def _sweeps(url: str, size: Sizes, config: RunConfig) -> Sweeps:
             for name in order:
                 if first + size.stale > size.sessions:
                     raise RuntimeError("not enough sessions left to make stale")
-                _make_stale(conn, first, size.stale)
-                fences = _fence_rows(conn)
+                _make_stale(conn, schema, first, size.stale)
+                fences = _fence_rows(conn, schema)
                 first += size.stale
                 expired, seconds = _sweep_all(ways[name])
                 if expired != size.stale:
@@ -619,8 +632,26 @@ def _sweeps(url: str, size: Sizes, config: RunConfig) -> Sweeps:
     )
 
 
-def _fence_rows(conn: psycopg.Connection[Any]) -> int:
-    row = conn.execute(f"SELECT count(*) FROM {SWEEP_SCHEMA}.sessions WHERE value IS NULL")
+def _partitioned_table(conn: psycopg.Connection[Any], schema: str, partitions: int) -> None:
+    """``{schema}.sessions`` with the columns of ``store/sql/v1.sql``, partitioned by hash of
+    the session id, before the store's upgrade adds the rest."""
+    conn.execute(
+        f"CREATE SCHEMA {schema}; CREATE TABLE {schema}.sessions (session_id bytea PRIMARY KEY,"
+        " value bytea, value_deadline_ms bigint, version bigint, last_run_ref text,"
+        " metadata jsonb, fence_seq bigint NOT NULL, fence_deleted boolean NOT NULL,"
+        " fence_request_id bytea NOT NULL DEFAULT '', fence_lapsed boolean NOT NULL DEFAULT"
+        " false, fence_expires_ms bigint NOT NULL, updated_at timestamptz NOT NULL DEFAULT"
+        " clock_timestamp()) PARTITION BY HASH (session_id)"
+    )
+    for n in range(partitions):
+        conn.execute(
+            f"CREATE TABLE {schema}.sessions_{n} PARTITION OF {schema}.sessions"
+            f" FOR VALUES WITH (MODULUS {partitions}, REMAINDER {n})"
+        )
+
+
+def _fence_rows(conn: psycopg.Connection[Any], schema: str) -> int:
+    row = conn.execute(f"SELECT count(*) FROM {schema}.sessions WHERE value IS NULL")
     found = row.fetchone()
     return int(found[0]) if found else 0
 
@@ -795,8 +826,9 @@ def _write_sweeps(report: SectionReport, sweeps: Sweeps, size: Sizes, config: Ru
         f"with one UPDATE, then `expire_stale(limit={SWEEP_LIMIT:,})` called until it finds "
         "none (the last, empty call included). Rows swept keep their fences (their values "
         "go), as in production. Two ways to call it: as the beat's sweep task does (the "
-        "database's clock, `{schema}.now_ms()`, which is VOLATILE) and with the time given "
-        "(`now=`: a query parameter).",
+        "database's clock, read once per statement as `(SELECT {schema}.now_ms())`: the "
+        "function is VOLATILE, so compared bare it would run per row and keep the index from "
+        "bounding the scan) and with the time given (`now=`: a query parameter).",
         "",
         "| sweep | nothing stale, ms | **expirations/s** | plan of the due-values lookup |",
         "|---|---:|---:|---|",
@@ -835,3 +867,25 @@ def _write_sweeps(report: SectionReport, sweeps: Sweeps, size: Sizes, config: Ru
             None if config.quick else rate >= EXPIRATIONS_TARGET,
         ),
     ]
+
+
+def _write_parted(report: SectionReport, sweeps: Sweeps, parted: Sweeps, size: Sizes) -> None:
+    """The sweeps again on a hash-partitioned table: what partitioning costs the sweep."""
+    report.lines += [
+        "",
+        f"The same sessions in a table hash-partitioned {PARTITIONS} ways by session id, made "
+        "before the store's upgrade as docs/scaling.md has an operator do it (populated in "
+        f"{parted.populate_seconds:.1f} s): each sweep reads every partition's index head.",
+        "",
+        "| sweep | one table: nothing stale, ms | partitioned | one table: expirations/s "
+        "| partitioned |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for way in (DB_CLOCK, GIVEN_NOW):
+        report.lines.append(
+            f"| {way} | {sweeps.empty_ms[way].fmt(',.2f')} | {parted.empty_ms[way].fmt(',.2f')}"
+            f" | {sweeps.expirations[way].fmt()} | {parted.expirations[way].fmt()} |"
+        )
+    report.lines.append("")
+    plan = parted.plans[DB_CLOCK]
+    report.lines.append(f"Plan of the partitioned lookup (database clock): {plan}")
