@@ -172,7 +172,7 @@ class PostgresStore(CheckpointStore):
         self._apply_sql = f'SELECT {s}.apply(%b::"char", %b, %b, %b, %b, %b, %b, %b::jsonb, %b, %b)'
         #: The database's clock, read once per statement: ``now_ms()`` is volatile, so
         #: compared as it is it would be called per row and keep an index from bounding
-        #: the scan (a sweep with nothing due read every row, 870 ms at 1M sessions).
+        #: the scan (a sweep with nothing due would read every row: docs/performance.md).
         self._now = f"(SELECT {s}.now_ms())"
         self._apply_many_sql = (
             f'SELECT {s}.apply(u.op::"char", u.sid, u.seq, u.rid, u.value, u.version, u.ref, '
