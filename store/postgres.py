@@ -128,6 +128,16 @@ def _refusal(exc: BaseException) -> str | None:
     return describe(exc) if code in _REFUSALS and code != _TERMINATED else None
 
 
+def _reusable(conn: psycopg.Connection[Any]) -> bool:
+    """Whether a connection a call just failed on may serve the next one: open, and idle. A
+    call cut short can leave a command in progress on it (every later call then fails with
+    "another command is already in progress") or a transaction open: such a connection is
+    closed, and the next call makes a new one."""
+    if conn.broken or conn.closed:
+        return False
+    return conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+
 def _sid(session_id: str) -> bytes:
     return session_id.encode("utf-8")
 
@@ -236,9 +246,11 @@ class PostgresStore(CheckpointStore):
                 conn = self._connect()
                 self._local.conn, self._local.pid = conn, os.getpid()
             yield conn
-        except psycopg.Error as exc:
-            if conn is not None and (conn.broken or conn.closed):
+        except BaseException as exc:
+            if conn is not None and not _reusable(conn):
                 self._forget(conn)
+            if not isinstance(exc, psycopg.Error):
+                raise
             error = StoreUnavailable(f"{action}: PostgreSQL {describe(exc)}")
             error.refusal = _refusal(exc)
             if write and error.refusal is not None:
