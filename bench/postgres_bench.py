@@ -364,12 +364,15 @@ def _fresh(checkpoints: list[Checkpoint], ids: list[str]) -> list[Checkpoint]:
     ]
 
 
-def _loop(url: str, ids: list[str]) -> tuple[float, float, float]:
+def _loop(url: str, ids: list[str], ready: Any = None) -> tuple[float, float, float]:
     """Save a fresh session per id, one ``PostgresStore.save`` after another on one
-    connection: (start, end, CPU seconds of this process)."""
+    connection, starting at ``ready``'s release when given (a barrier): (start, end, CPU
+    seconds of this process)."""
     store = PostgresStore(url, schema=SCHEMA)
     checkpoints = _fresh([make_checkpoint(f"loop-t{n}", SIZE) for n in range(16)], ids)
     store.ping()  # connected before the clock starts
+    if ready is not None:
+        ready.wait(timeout=120)
     cpu = time.process_time()
     start = time.perf_counter()
     for checkpoint in checkpoints:
@@ -382,17 +385,7 @@ def _loop(url: str, ids: list[str]) -> tuple[float, float, float]:
 
 def _loop_child(url: str, ids: list[str], ready: Any, results: Any) -> None:
     """One of the parallel loops: ready, then saving at the barrier's release."""
-    store = PostgresStore(url, schema=SCHEMA)
-    checkpoints = _fresh([make_checkpoint(f"loop-t{n}", SIZE) for n in range(16)], ids)
-    store.ping()
-    ready.wait(timeout=120)
-    cpu = time.process_time()
-    start = time.perf_counter()
-    for checkpoint in checkpoints:
-        store.save(checkpoint)
-    end = time.perf_counter()
-    results.put((start, end, time.process_time() - cpu))
-    store.close()
+    results.put(_loop(url, ids, ready))
 
 
 def _parallel_loops(
