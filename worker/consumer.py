@@ -181,6 +181,15 @@ def _release_slot_when_broker_lost(
             # no longer exists has nothing left to settle.
             return
         requeue = options.get("requeue", False)
+        if kombu_hooks.detached(channel):
+            # Delivered before a consumer restart, settled after it (a pool result that
+            # arrived once the lost connection was closed): the old channel cannot reach
+            # the broker, and kombu would fail with AttributeError, which ended the worker.
+            # The restart's restore put the message back, or the lost settles will.
+            forget_locally(channel, tag)
+            lost_settles.lost.lost_settle(tag, requeue=requeue)
+            logger.info("%s settled after its connection closed: settled on the next one", tag)
+            return
         try:
             method(settled, **options)
         except errors:

@@ -1,4 +1,5 @@
-"""The consumer's ack and reject wrappers, on real kombu messages (in-memory transport).
+"""The consumer's ack and reject wrappers, on real kombu messages (in-memory transport, and
+a real Redis broker for a connection closed under a message).
 
 A prefetch window of one message: ``qos.can_consume()`` tells whether its slot is free.
 """
@@ -11,11 +12,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis
 from kombu import connection, entity, messaging
 from redis.exceptions import OutOfMemoryError, ResponseError
 
-from checkpointq.worker import backpressure
+from checkpointq.worker import backpressure, lost_settles
 from checkpointq.worker.consumer import _leave_for_redelivery, _release_slot_when_broker_lost
+from tests.support.servers import RedisServer
 
 # kombu's hints are partial (untyped functions): its classes are used as Any here.
 Connection: Any = connection.Connection
@@ -159,3 +162,40 @@ def test_any_other_broker_error_while_settling_still_reaches_celery(
     monkeypatch.setattr(channel, "basic_ack", wrong)
     with pytest.raises(ResponseError):
         message.ack()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("requeue", [False, True], ids=["ack", "requeue"])
+def test_a_settle_after_its_connection_was_closed_is_left_for_the_next_one(
+    redis_server: RedisServer, requeue: bool
+) -> None:
+    # Given a message delivered over a real Redis broker, whose connection is then closed
+    # as Celery's consumer closed it after a lost broker, with a pool result still due: the
+    # transport let go of its connection (``client`` None, as ``Connection.close`` leaves
+    # it) before the channel closed, and the channel's restore failed on it (worker log)
+    queue = f"closed-{requeue}"
+    connection = Connection(redis_server.url)
+    channel = connection.channel()
+    Queue(queue, channel=channel).declare()
+    Producer(channel).publish(b"{}", routing_key=queue, content_type="application/json")
+    message = Queue(queue, channel=channel).get(no_ack=False)
+    assert message is not None
+    _release_slot_when_broker_lost(message, ERRORS)
+    connection.transport.client = None
+    with pytest.raises(AttributeError):
+        channel.close()
+    tag = str(message.delivery_tag)
+    try:
+        # When the result arrives and the message is settled: no error ends the consumer
+        # (kombu raised AttributeError on the detached transport) ...
+        if requeue:
+            message.reject(requeue=True)
+        else:
+            message.ack()
+        # ... and the settle waits for the next connection (which restores what the
+        # failed close left unacknowledged, then settles this)
+        assert tag in (lost_settles.lost.requeues if requeue else lost_settles.lost.acks)
+        assert redis.Redis.from_url(redis_server.url).hexists("unacked", tag)
+    finally:
+        lost_settles.lost.requeues.pop(tag, None)
+        lost_settles.lost.acks.pop(tag, None)

@@ -481,6 +481,15 @@ def forget_locally(channel: Any, tag: Any) -> None:
         quick_ack(tag)
 
 
+def detached(channel: Any) -> bool:
+    """Whether ``channel``'s connection was closed under it: closing a kombu ``Connection``
+    sets its transport's ``client`` to None (``pyamqp``'s connection's too), after which a
+    settle on the channel fails with AttributeError (``conninfo.hostname``), not with a
+    connection error. Unknown shapes count as attached: kombu's own errors then apply."""
+    transport = getattr(channel, "connection", None)
+    return transport is not None and getattr(transport, "client", False) is None
+
+
 def unacked_indices(channel: Any) -> Any | None:
     """The channel's QoS when it keeps kombu's Redis ``unacked`` hash and index (what
     ``QoS._remove_from_indices`` removes a tag from), else None."""
