@@ -676,9 +676,15 @@ class Deployment:
 
         try:
             wait_until(done, timeout=timeout, interval=0.25, message="the expected state")
-        except AssertionError:
+        except AssertionError as exc:
             if require:
-                raise
+                # What was still wrong, so a failure says more than that time ran out.
+                verdict = judge(store, load)
+                raise AssertionError(
+                    f"{exc}: backlog {self.backlog()}, "
+                    f"lost {verdict.lost[:10]} ({len(verdict.lost)}), "
+                    f"resurrected {verdict.resurrected[:10]}, regressed {verdict.regressed[:10]}"
+                ) from exc
         return judge(store, load)
 
     def cleanup(self) -> None:
