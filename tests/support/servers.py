@@ -5,7 +5,9 @@ Tests never touch the machine's shared Redis on 127.0.0.1:6379.
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -18,13 +20,29 @@ from typing import Any
 
 import redis
 
+#: Where test servers listen: below the kernel's ephemeral range (32768-60999 here), so no
+#: client socket takes a stopped server's port, and split between pytest-xdist's workers, so
+#: a server one worker stops and restarts (a fault test) never finds another's in its place.
+PORTS_FROM, PORTS_PER_WORKER, WORKER_SLOTS = 10_000, 3_000, 5
+_next_port = itertools.count(random.randrange(PORTS_PER_WORKER))
+
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A TCP port on 127.0.0.1 that nothing listens on right now, in this worker's range.
+
+    Ports are handed out in turn (not at random), so a port is reused as late as possible.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    first = PORTS_FROM + int(worker.removeprefix("gw")) % WORKER_SLOTS * PORTS_PER_WORKER
+    for _ in range(PORTS_PER_WORKER):
+        port = first + next(_next_port) % PORTS_PER_WORKER
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first}-{first + PORTS_PER_WORKER - 1}")
 
 
 def command_calls(client: redis.Redis, command: str) -> int:
