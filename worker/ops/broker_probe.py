@@ -114,9 +114,11 @@ class BrokerProbe(abc.ABC):
         return BrokerUnavailable(f"{self.where} unreachable ({_reason(exc)})")
 
 
-def open_probe(settings: Settings, *, timeout: float = PROBE_TIMEOUT) -> BrokerProbe:
-    """A probe of ``settings``' broker (resolved settings: the URL is known). It connects
+def open_probe(settings: Settings, *, timeout: float | None = None) -> BrokerProbe:
+    """A probe of ``settings``' broker (resolved settings: the URL is known), its sockets
+    timing out after ``timeout`` seconds (``PROBE_TIMEOUT``, read at each call). It connects
     on its first call, never here."""
+    timeout = PROBE_TIMEOUT if timeout is None else timeout
     url = settings.broker_url
     if url is None:
         raise BrokerUnavailable("no broker configured (resolve the settings first)")
