@@ -149,6 +149,13 @@ def forget_locally(channel: Any, tag: Any) -> None:
     kombu_hooks.forget_locally(channel, tag)
 
 
+def _settle_later(channel: Any, tag: Any, requeue: bool) -> None:
+    """Free a message's prefetch slot now; the lost settles do its ack or requeue on a
+    connection that reaches the broker."""
+    forget_locally(channel, tag)
+    lost_settles.lost.lost_settle(tag, requeue=requeue)
+
+
 def _release_slot_when_broker_lost(
     message: Message, errors: tuple[type[BaseException], ...]
 ) -> None:
@@ -186,15 +193,13 @@ def _release_slot_when_broker_lost(
             # arrived once the lost connection was closed): the old channel cannot reach
             # the broker, and kombu would fail with AttributeError, which ended the worker.
             # The restart's restore put the message back, or the lost settles will.
-            forget_locally(channel, tag)
-            lost_settles.lost.lost_settle(tag, requeue=requeue)
+            _settle_later(channel, tag, requeue)
             logger.info("%s settled after its connection closed: settled on the next one", tag)
             return
         try:
             method(settled, **options)
         except errors:
-            forget_locally(channel, tag)
-            lost_settles.lost.lost_settle(tag, requeue=requeue)
+            _settle_later(channel, tag, requeue)
             raise
         except redis_errors.RedisError as exc:
             refusal = probe.refused(exc)
@@ -204,8 +209,7 @@ def _release_slot_when_broker_lost(
             # in its ``unacked`` hash, settled again once the broker takes writes, and the
             # worker holds still until then. Raising would end the consumer (this is no
             # connection error to Celery).
-            forget_locally(channel, tag)
-            lost_settles.lost.lost_settle(tag, requeue=requeue)
+            _settle_later(channel, tag, requeue)
             logger.warning("broker refused to settle %s (%s): left for redelivery", tag, refusal)
             backpressure.trip_broker(refusal)
 
