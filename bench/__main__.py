@@ -22,6 +22,7 @@ from bench.harness import RunConfig, SectionReport
 SECTIONS = {
     "store": "bench.store_bench",
     "producer": "bench.producer_bench",
+    "async": "bench.async_bench",
     "worker": "bench.worker_bench",
     "latency": "bench.latency_bench",
     "memory": "bench.memory_bench",
@@ -29,6 +30,7 @@ SECTIONS = {
     "reconcile": "bench.reconcile_bench",
     "cluster": "bench.cluster_bench",
     "postgres": "bench.postgres_bench",
+    "peers": "bench.peers_bench",
 }
 
 RESULTS = Path(__file__).parent / "results"

@@ -173,10 +173,7 @@ class Sweeps:
 
 def run(config: RunConfig) -> SectionReport:
     report = SectionReport("postgres", "PostgreSQL: queued saves against synchronous upserts")
-    if postgres_bin() is None:
-        report.lines.append(
-            "Not measured: PostgreSQL's server programs are missing (apt-get install postgresql)."
-        )
+    if postgres_missing(report):
         return report
     size = sizes(config)
     pg = PostgresServer().start()
@@ -207,6 +204,16 @@ def run(config: RunConfig) -> SectionReport:
     _write_sweeps(report, sweeps, size, config)
     _write_parted(report, sweeps, parted, size)
     return report
+
+
+def postgres_missing(report: SectionReport) -> bool:
+    """Whether PostgreSQL's server programs are missing (then ``report`` says so)."""
+    if postgres_bin() is not None:
+        return False
+    report.lines.append(
+        "Not measured: PostgreSQL's server programs are missing (apt-get install postgresql)."
+    )
+    return True
 
 
 # -- the far database ------------------------------------------------------------------
@@ -302,8 +309,12 @@ def _next_xid(conn: psycopg.Connection[Any]) -> int:
 
 
 def _children(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(child) for child in path.read_text().split()] if path.exists() else []
+    try:
+        return [
+            int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        ]
+    except (FileNotFoundError, ProcessLookupError):  # it ended since it was listed
+        return []
 
 
 def _reaped_cpu(pid: int) -> float:
@@ -318,7 +329,7 @@ def _cpu_of(pids: list[int]) -> dict[int, float]:
     for pid in pids:
         try:
             found[pid] = worker_drain.cpu_seconds(pid)
-        except FileNotFoundError:  # a backend that ended since it was listed
+        except (FileNotFoundError, ProcessLookupError):  # a backend that ended since listed
             continue
     return found
 
@@ -498,11 +509,13 @@ def _populate(conn: psycopg.Connection[Any], store: PostgresStore, sessions: int
     deadline = now_ms + store.ttl_ms
     started = time.perf_counter()
     conn.execute(
-        f"INSERT INTO {store.schema}.sessions (session_id, value, value_deadline_ms, version,"
-        " last_run_ref, metadata, fence_seq, fence_deleted, fence_request_id, fence_lapsed,"
-        " fence_expires_ms) SELECT convert_to('live-' || lpad(g::text, 7, '0'), 'UTF8'),"
-        " %(value)s, %(deadline)s, %(version)s, %(ref)s, %(metadata)s::jsonb, %(seq)s, false,"
-        " ''::bytea, false, %(expires)s FROM generate_series(0, %(n)s - 1) AS g",
+        f"INSERT INTO {store.schema}.sessions (session_key, session_id, value, value_deadline_ms,"
+        " version, last_run_ref, metadata, fence_seq, fence_deleted, fence_request_id,"
+        " fence_lapsed, fence_expires_ms)"
+        f" SELECT {store.schema}.session_key(id), id, %(value)s, %(deadline)s, %(version)s,"
+        " %(ref)s, %(metadata)s::jsonb, %(seq)s, false,"
+        " ''::bytea, false, %(expires)s FROM generate_series(0, %(n)s - 1) AS g,"
+        " convert_to('live-' || lpad(g::text, 7, '0'), 'UTF8') AS id",
         {
             "value": value,
             "deadline": deadline,
@@ -525,7 +538,7 @@ def _shape(conn: psycopg.Connection[Any], schema: str, session_id: bytes) -> tup
         "SELECT value IS NULL, version IS NULL, metadata IS NULL, fence_deleted,"
         " fence_lapsed, fence_expires_ms - value_deadline_ms, fence_seq > 0,"
         " value_deadline_ms - (fence_seq / 1000) BETWEEN 0 AND %s"
-        f" FROM {schema}.sessions WHERE session_id = %s",
+        f" FROM {schema}.sessions WHERE session_key = {schema}.session_key(%s)",
         (10 * 60 * 1000 + 30 * DAY_MS, session_id),
     ).fetchone()
     return tuple(row) if row else ()
@@ -536,7 +549,7 @@ def _check_layout(conn: psycopg.Connection[Any], store: PostgresStore) -> None:
     store.save(make_checkpoint("bench-reference", 500))
     schema = store.schema
     mine, real = _shape(conn, schema, b"live-0000000"), _shape(conn, schema, b"bench-reference")
-    conn.execute(f"DELETE FROM {schema}.sessions WHERE session_id = 'bench-reference'")
+    conn.execute(f"DELETE FROM {schema}.sessions WHERE session_key = 'bench-reference'::bytea")
     if mine != real:
         raise RuntimeError(f"populated row {mine} differs from a saved one {real}")
 
@@ -544,8 +557,8 @@ def _check_layout(conn: psycopg.Connection[Any], store: PostgresStore) -> None:
 def _make_stale(conn: psycopg.Connection[Any], schema: str, first: int, count: int) -> None:
     """Sessions ``first`` .. ``first + count - 1`` an hour past their deadline."""
     conn.execute(
-        f"UPDATE {schema}.sessions SET value_deadline_ms = %s WHERE session_id >= %s"
-        " AND session_id < %s",
+        f"UPDATE {schema}.sessions SET value_deadline_ms = %s WHERE session_key >= %s"
+        " AND session_key < %s",  # (short ids are their own keys)
         (
             int(time.time() * 1000) - 60 * 60 * 1000,
             f"live-{first:07d}".encode(),
@@ -626,15 +639,16 @@ def _sweeps(url: str, size: Sizes, config: RunConfig, schema: str, partitions: i
 
 
 def _partitioned_table(conn: psycopg.Connection[Any], schema: str, partitions: int) -> None:
-    """``{schema}.sessions`` with the columns of ``store/sql/v1.sql``, partitioned by hash of
-    the session id, before the store's upgrade adds the rest."""
+    """``{schema}.sessions`` with the columns of ``store/sql/v2.sql``, partitioned by hash of
+    the row's key, before the store's upgrade adds the rest."""
     conn.execute(
-        f"CREATE SCHEMA {schema}; CREATE TABLE {schema}.sessions (session_id bytea PRIMARY KEY,"
-        " value bytea, value_deadline_ms bigint, version bigint, last_run_ref text,"
+        f"CREATE SCHEMA {schema}; CREATE TABLE {schema}.sessions (session_key bytea PRIMARY KEY,"
+        " session_id bytea NOT NULL, value bytea, value_deadline_ms bigint, version bigint,"
+        " last_run_ref text,"
         " metadata jsonb, fence_seq bigint NOT NULL, fence_deleted boolean NOT NULL,"
         " fence_request_id bytea NOT NULL DEFAULT '', fence_lapsed boolean NOT NULL DEFAULT"
         " false, fence_expires_ms bigint NOT NULL, updated_at timestamptz NOT NULL DEFAULT"
-        " clock_timestamp()) PARTITION BY HASH (session_id)"
+        " clock_timestamp()) PARTITION BY HASH (session_key)"
     )
     for n in range(partitions):
         conn.execute(

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from checkpointq.store.base import StoreOptions
+    from checkpointq.store.encryption import EncryptionError, Keyring, MissingEncryptionKey
     from checkpointq.store.errors import (
         CheckpointError,
         CheckpointTooLarge,
@@ -26,14 +27,23 @@ if TYPE_CHECKING:
         StoreUnavailable,
     )
     from checkpointq.store.memory import InMemoryStore
-    from checkpointq.store.model import Checkpoint
+    from checkpointq.store.model import Checkpoint, ConversationMessage
     from checkpointq.store.postgres import PostgresStore
     from checkpointq.store.redis import RedisStore
-    from checkpointq.tasks.errors import BrokerUnavailable, RequestRefused, SeqRefused
+    from checkpointq.tasks.errors import (
+        BrokerUnavailable,
+        PendingRecordMissing,
+        ReplicationTimeout,
+        RequestRefused,
+        SeqRefused,
+        StoreMismatch,
+    )
+    from checkpointq.tasks.producer.aio import AsyncCheckpointClient
+    from checkpointq.tasks.producer.aio_batching import AsyncBatchingClient
     from checkpointq.tasks.producer.batching import BatchingClient
     from checkpointq.tasks.producer.client import CheckpointClient
     from checkpointq.tasks.producer.outcomes import RequestOutcome
-    from checkpointq.worker.settings import Settings
+    from checkpointq.worker.settings import InvalidSettings, Settings
 
 try:
     # The one version is pyproject.toml's, as installed (wheels and editable installs alike).
@@ -44,14 +54,21 @@ except metadata.PackageNotFoundError:  # a checkout on sys.path without an insta
 #: Each public name and the module that defines it.
 _HOMES = {
     "CheckpointClient": "checkpointq.tasks.producer.client",
+    "AsyncCheckpointClient": "checkpointq.tasks.producer.aio",
+    "AsyncBatchingClient": "checkpointq.tasks.producer.aio_batching",
+    "ConversationMessage": "checkpointq.store.model",
     "BatchingClient": "checkpointq.tasks.producer.batching",
     "RequestOutcome": "checkpointq.tasks.producer.outcomes",
     "Settings": "checkpointq.worker.settings",
+    "InvalidSettings": "checkpointq.worker.settings",
     "Checkpoint": "checkpointq.store.model",
     "RedisStore": "checkpointq.store.redis",
     "PostgresStore": "checkpointq.store.postgres",
     "InMemoryStore": "checkpointq.store.memory",
     "StoreOptions": "checkpointq.store.base",
+    "Keyring": "checkpointq.store.encryption",
+    "EncryptionError": "checkpointq.store.encryption",
+    "MissingEncryptionKey": "checkpointq.store.encryption",
     "CheckpointError": "checkpointq.store.errors",
     "InvalidInput": "checkpointq.store.errors",
     "InvalidCheckpoint": "checkpointq.store.errors",
@@ -61,28 +78,41 @@ _HOMES = {
     "StoreUnavailable": "checkpointq.store.errors",
     "CorruptCheckpoint": "checkpointq.store.errors",
     "BrokerUnavailable": "checkpointq.tasks.errors",
+    "PendingRecordMissing": "checkpointq.tasks.errors",
+    "ReplicationTimeout": "checkpointq.tasks.errors",
     "RequestRefused": "checkpointq.tasks.errors",
     "SeqRefused": "checkpointq.tasks.errors",
+    "StoreMismatch": "checkpointq.tasks.errors",
 }
 
 __all__ = [
+    "AsyncBatchingClient",
+    "AsyncCheckpointClient",
     "BatchingClient",
     "BrokerUnavailable",
     "Checkpoint",
     "CheckpointClient",
     "CheckpointError",
     "CheckpointTooLarge",
+    "ConversationMessage",
     "CorruptCheckpoint",
+    "EncryptionError",
     "InMemoryStore",
     "InvalidCheckpoint",
     "InvalidInput",
     "InvalidSessionId",
+    "InvalidSettings",
+    "Keyring",
+    "MissingEncryptionKey",
+    "PendingRecordMissing",
     "PostgresStore",
     "RedisStore",
+    "ReplicationTimeout",
     "RequestOutcome",
     "RequestRefused",
     "SeqRefused",
     "Settings",
+    "StoreMismatch",
     "StoreNotConfigured",
     "StoreOptions",
     "StoreUnavailable",

@@ -16,22 +16,35 @@ from __future__ import annotations
 import abc
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import orjson
 
 from checkpointq.store.codec import DEFAULT_MAX_DECOMPRESSED, ZSTD_MAGIC, CodecError, ValueCodec
+from checkpointq.store.encryption import (
+    Keyring,
+    OpenFailed,
+    is_sealed,
+    open_without_keys,
+    sealed_key_id,
+)
 from checkpointq.store.errors import (
     CheckpointTooLarge,
     CorruptCheckpoint,
     InvalidCheckpoint,
     InvalidInput,
+    SessionBusy,
 )
 from checkpointq.store.model import Checkpoint, display_id, validate_session_id
 from checkpointq.store.ordering import SEQ_TIME_FLOOR, OrderKey, deadline_ms, order_key
 from checkpointq.store.reconcile import ReconcileReport
-from checkpointq.store.serde import deserialize_checkpoint, serialize_checkpoint
+from checkpointq.store.serde import (
+    deserialize_checkpoint,
+    deserialize_storable,
+    serialize_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +82,10 @@ class StoreOptions:
     #: instead of only those its hint names. This bounds how late a session whose deadline
     #: the hint cannot know (see ``RedisStore.expire_stale``) is expired and announced.
     sweep_full_pass_seconds: float = 300.0
+    #: Encryption at rest (store/encryption.py): every value written is sealed under the
+    #: keyring's first key, and sealed values of any of its keys load. None: values are
+    #: written in clear; sealed ones fail to load with ``MissingEncryptionKey``.
+    encryption: Keyring | None = None
 
     def __post_init__(self) -> None:
         if self.ttl_seconds <= 0 or self.tombstone_ttl_seconds <= 0:
@@ -209,6 +226,17 @@ class EncodedCheckpoint:
 
 
 @dataclass(frozen=True, slots=True)
+class StagedDecoded:
+    """A staged value opened and validated (``CheckpointStore.decode_staged``)."""
+
+    checkpoint: Checkpoint
+    #: The value is in this store's format (zstd, sealed under its first key if any).
+    own_format: bool
+    #: The value's JSON when it held canonical JSON (``SaveOp.document``), else None.
+    document: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class SaveOp:
     """One save of a batch (``CheckpointStore.apply_batch``)."""
 
@@ -218,6 +246,9 @@ class SaveOp:
     #: ``checkpoint`` as its producer encoded it (a staged save's value): stored as it is
     #: when it fits this store's cap and budget (``CheckpointStore.encode_op``).
     encoded: EncodedCheckpoint | None = None
+    #: ``checkpoint``'s canonical JSON as its producer serialised it (a staged save's
+    #: value, validated into ``checkpoint``): compressed as it is unless it needs trimming.
+    document: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,8 +273,23 @@ class LapseOp:
 BatchOp = SaveOp | DeleteOp | LapseOp
 
 #: What one item of a batch did: a save's result, a delete's or a lapse's ``applied`` flag,
-#: or the invalid input that refused it (the other items still apply).
-BatchResult = SaveResult | bool | InvalidInput
+#: the invalid input that refused it, or ``SessionBusy`` when its session's row is held by
+#: another client (it is to be retried later, on its own); the other items still apply.
+BatchResult = SaveResult | bool | InvalidInput | SessionBusy
+
+
+def new_identity(before: float = 0.0) -> str:
+    """A fresh store identity (``CheckpointStore.identity``): a random UUID, then when it
+    was made (``@`` and ms since the epoch; ``before`` seconds earlier), so that an
+    announcement of the store's identity can be told to predate it
+    (``checkpointq.tasks.store_identity``)."""
+    return f"{uuid.uuid4()}@{int((time.time() - before) * 1000)}"
+
+
+def identity_created_ms(identity: str) -> int | None:
+    """When ``identity`` was made (``new_identity``); None for another form."""
+    _, at, created = identity.rpartition("@")
+    return int(created) if at and created.isdigit() else None
 
 
 def validate_seq(seq: object) -> int:
@@ -382,6 +428,17 @@ class CheckpointStore(abc.ABC):
         reconcile: every slice completes an empty pass."""
         return ReconcileReport(completed_pass=True)
 
+    def identity(self) -> str | None:
+        """This store's identity: a random id created once in the store itself by its first
+        user (worker or producer) and read back by every other, so that two processes can
+        tell whether they share a store whatever URLs they reach it by. None: this kind of
+        store has none (producers and workers then cannot compare).
+
+        Raises:
+            StoreUnavailable: the store could not be read.
+        """
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook, most stores hold nothing
         """Release connections; the store is unusable afterwards."""
 
@@ -466,7 +523,7 @@ class CheckpointStore(abc.ABC):
                 cap,
             )
         if document is not None and keep == len(history):
-            value = self.codec.encode(document)
+            value = self.seal(checkpoint.session_id, self.codec.encode(document))
         else:
             value = self._encode_keeping(checkpoint, keep)
         budget = self.options.max_value_bytes
@@ -487,23 +544,83 @@ class CheckpointStore(abc.ABC):
         given = op.encoded
         if (
             given is not None
-            and given.value.startswith(ZSTD_MAGIC)
+            and self._is_own_format(op.checkpoint.session_id, given.value)
             and len(given.value) <= self.options.max_value_bytes
             and len(op.checkpoint.conversation_history) <= self.options.history_cap
         ):
             return given
-        return self.encode(op.checkpoint)
+        return self.encode(op.checkpoint, op.document)
+
+    def _is_own_format(self, session_id: str, value: bytes) -> bool:
+        """Whether ``value`` is what this store writes: zstd, sealed under the first key when
+        encryption is on (a producer seals the JSON itself when it fits: the store then
+        compresses and seals it again)."""
+        keyring = self.options.encryption
+        if keyring is None:
+            return value.startswith(ZSTD_MAGIC)
+        if sealed_key_id(value) != keyring.primary:
+            return False
+        try:
+            return keyring.open(session_id, value).startswith(ZSTD_MAGIC)
+        except OpenFailed:
+            return False
 
     def decode_value(self, session_id: str, stored: bytes) -> Checkpoint:
-        """A value in the store's format (``encode``'s) as a checkpoint.
+        """A value in the store's format (``encode``'s, sealed or clear) as a checkpoint.
 
         Raises:
-            CorruptCheckpoint: it does not decode.
+            CorruptCheckpoint: it does not decode, or is sealed and does not open for this
+                session (tampered with, or moved from another session).
+            MissingEncryptionKey: it is sealed under a key this store lacks.
         """
         try:
-            return deserialize_checkpoint(self.codec.decode(stored))
-        except (CodecError, InvalidCheckpoint) as exc:
+            return deserialize_checkpoint(self.codec.decode(self.unseal(session_id, stored)))
+        except (CodecError, InvalidCheckpoint, OpenFailed) as exc:
             raise CorruptCheckpoint(session_id, str(exc)) from None
+
+    def decode_staged(self, session_id: str, value: bytes) -> StagedDecoded:
+        """``decode_value``, and whether ``value`` is this store's format already (what
+        ``encode_op`` keeps as it is), from one open: a staged value opened here need not
+        be opened again to learn that it holds JSON, which the store compresses and seals.
+        JSON comes back too when it is canonical (``deserialize_storable``): the store
+        compresses it as it is rather than serialise the checkpoint again.
+
+        Raises:
+            CorruptCheckpoint, MissingEncryptionKey: as ``decode_value``.
+        """
+        try:
+            plain = self.unseal(session_id, value)
+            if plain.startswith(ZSTD_MAGIC):
+                checkpoint, document = deserialize_checkpoint(self.codec.decode(plain)), None
+            else:
+                json_bytes = self.codec.decode(plain)
+                checkpoint, canonical = deserialize_storable(json_bytes)
+                document = json_bytes if canonical else None
+        except (CodecError, InvalidCheckpoint, OpenFailed) as exc:
+            raise CorruptCheckpoint(session_id, str(exc)) from None
+        keyring = self.options.encryption
+        under = None if keyring is None else keyring.primary
+        own = plain.startswith(ZSTD_MAGIC) and sealed_key_id(value) == under
+        return StagedDecoded(checkpoint, own, document)
+
+    def seal(self, session_id: str, value: bytes) -> bytes:
+        """A compressed value as this store writes it: sealed when encryption is on."""
+        keyring = self.options.encryption
+        return value if keyring is None else keyring.seal(session_id, value)
+
+    def unseal(self, session_id: str, stored: bytes) -> bytes:
+        """A stored value's compressed (or JSON) bytes: opened when sealed, else as it is.
+
+        Raises:
+            OpenFailed: sealed, and it does not open for this session.
+            MissingEncryptionKey: sealed under a key this store lacks.
+        """
+        if not is_sealed(stored):
+            return stored
+        keyring = self.options.encryption
+        if keyring is None:
+            raise open_without_keys(session_id, stored)
+        return keyring.open(session_id, stored)
 
     def _encode_keeping(self, checkpoint: Checkpoint, keep: int) -> bytes:
         history = checkpoint.conversation_history
@@ -511,7 +628,7 @@ class CheckpointStore(abc.ABC):
             checkpoint = checkpoint.model_copy(
                 update={"conversation_history": history[len(history) - keep :]}
             )
-        return self.codec.encode(serialize_checkpoint(checkpoint))
+        return self.seal(checkpoint.session_id, self.codec.encode(serialize_checkpoint(checkpoint)))
 
     def _fit_budget(self, checkpoint: Checkpoint, keep: int, budget: int) -> tuple[bytes, int]:
         # Binary search for the most messages that fit: O(log n) compressions, not O(n).

@@ -6,6 +6,8 @@ unreachable (retry later), or is what we stored unreadable (needs an operator)?
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class CheckpointError(Exception):
     """Root of every error checkpointq raises on purpose."""
@@ -31,6 +33,11 @@ class CheckpointTooLarge(InvalidInput):
     """Even the newest message alone does not fit the stored-size budget."""
 
 
+class RefusedByStore(InvalidInput):
+    """The store refuses this one request's data (a value PostgreSQL cannot hold): its
+    words say why. The store takes every other request: never retried."""
+
+
 class StoreNotConfigured(CheckpointError, ValueError):
     """No store URL: neither a store URL nor a plain Redis broker URL is configured."""
 
@@ -51,3 +58,32 @@ class CorruptCheckpoint(CheckpointError):
         self.session_id = session_id
         self.reason = reason
         super().__init__(f"stored checkpoint for session {session_id!r} is unreadable: {reason}")
+
+
+class SessionBusy(StoreUnavailable):
+    """One session's row is held by another client (a row lock, or a statement that ran
+    past ``statement_timeout``): that session waits and retries on its own; every other
+    session applies, and the store is not said to refuse writes."""
+
+    def __init__(self, session_id: str, holder: str, *, by_worker: bool = False) -> None:
+        self.session_id = session_id
+        #: Who holds the row, as far as the store may see (pid, user, query, for how long).
+        self.holder = holder
+        #: Held by another checkpointq worker's statement (itself waiting on a row further
+        #: on): a moment's contention, over once that statement ends.
+        self.by_worker = by_worker
+        super().__init__(f"session {session_id!r} waits on a row lock held by {holder}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Raised in a pool process and handed to the main one: rebuilt from its fields.
+        return (_session_busy, (self.session_id, self.holder, self.by_worker))
+
+
+def _session_busy(session_id: str, holder: str, by_worker: bool) -> SessionBusy:
+    return SessionBusy(session_id, holder, by_worker=by_worker)
+
+
+class NotDurableYet(StoreUnavailable):
+    """The store applied the write, but it is not durable as configured yet (no standby
+    flushed it in time, ``CHECKPOINTQ_PG_DURABILITY=replicated``): applying it again later
+    is safe, and it must not be settled, nor dead-lettered, meanwhile."""

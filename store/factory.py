@@ -14,17 +14,31 @@ from checkpointq.store.redis import RedisStore
 from checkpointq.store.urls import is_postgres_url
 
 
-class StoreSettings(Protocol):
-    """What ``store_from_settings`` reads (``checkpointq.worker.settings.Settings``)."""
+class PostgresSettings(Protocol):
+    """What a PostgreSQL store reads (``PostgresStore.from_settings``), read-only."""
 
-    key_prefix: str
-    pg_schema: str
-    pg_auto_upgrade: bool
-
+    @property
+    def pg_schema(self) -> str: ...
+    @property
+    def pg_auto_upgrade(self) -> bool: ...
+    @property
+    def pg_prepared_statements(self) -> bool: ...
+    @property
+    def pg_lock_timeout_ms(self) -> int: ...
+    @property
+    def pg_durability(self) -> str: ...
+    @property
+    def pg_replication_timeout_seconds(self) -> float: ...
     @property
     def resolved_store_url(self) -> str | None: ...
 
     def store_options(self) -> StoreOptions: ...
+
+
+class StoreSettings(PostgresSettings, Protocol):
+    """What ``store_from_settings`` reads (``checkpointq.worker.settings.Settings``)."""
+
+    key_prefix: str
 
 
 class MissingExtra(StoreNotConfigured):

@@ -94,7 +94,14 @@ class KeySpace:
         agentorca-session.cq:pending-value:<n>:<id>:<req>  a pending save's value (n: the
                                                         length of <id> in bytes)
         agentorca-session.cq:pending        sorted set: session id -> its latest deadline (ms)
-        agentorca-session.cq:pending-epoch  a token that changes only when the broker lost it all
+        agentorca-session.cq:pending-epoch  a token that changes only when the broker lost data
+        agentorca-session.cq:pending-mark   hash: 'n', a counter each publish advances (a
+                                            broker gone back in time shows one lower), and
+                                            the last loss found
+        agentorca-session.cq:pending-counts hash: session id -> entries written and not
+                                            settled (fewer left: some went missing)
+        agentorca-session.cq:pending-suspects  hash: entries whose message the last reap
+                                            did not find (settled as lost at the next)
     """
 
     prefix: str = DEFAULT_PREFIX
@@ -176,9 +183,24 @@ class KeySpace:
         """A worker's heartbeat: renewed every few seconds, expires when the worker stops."""
         return f"{self._internal}:heartbeat:{worker}"
 
+    def identity(self) -> str:
+        """The store's identity: a random id its first user writes once (``identity``)."""
+        return f"{self._internal}:identity"
+
+    def published_store(self) -> str:
+        """On the broker: the identity of the store its workers write to, as they publish
+        it with each heartbeat (``checkpointq.tasks.store_identity``)."""
+        return f"{self._internal}:workers-store"
+
     def workers(self) -> str:
         """Set of the names of workers that sent a heartbeat (some may have stopped since)."""
         return f"{self._internal}:workers"
+
+    def held_rows(self) -> str:
+        """Hash: session id -> who holds its row in the database, as the worker that met the
+        lock last saw it (JSON; the key expires a while after the last one): what
+        ``checkpointq health`` and ``top`` report (tasks/held_rows.py)."""
+        return f"{self._internal}:held-rows"
 
     def write_probe(self) -> str:
         """A short-lived key written only to learn whether the store accepts writes."""
@@ -233,6 +255,20 @@ class KeySpace:
     def pending_epoch(self) -> str:
         """The broker's pending epoch: a new token means it lost its records."""
         return f"{self._internal}:pending-epoch"
+
+    def pending_mark(self) -> str:
+        """The broker's pending mark: a counter each publish advances, and the last loss of
+        a suffix of accepted requests found (publish.lua)."""
+        return f"{self._internal}:pending-mark"
+
+    def pending_counts(self) -> str:
+        """How many entries each session's publishes wrote and settles did not remove, so
+        that a load tells a missing entry from a settled one (read_pending.lua)."""
+        return f"{self._internal}:pending-counts"
+
+    def pending_suspects(self) -> str:
+        """Pending entries whose message the last reap did not find (tasks/orphans.py)."""
+        return f"{self._internal}:pending-suspects"
 
     def oversize_index(self) -> str:
         """The raw bodies of oversize queue items kept on the broker (raw key -> time)."""

@@ -19,6 +19,7 @@ from checkpointq.store.base import (
     SaveResult,
     SessionCounts,
     StoreOptions,
+    new_identity,
 )
 from checkpointq.store.errors import InvalidInput
 from checkpointq.store.model import Checkpoint
@@ -58,6 +59,11 @@ class InMemoryStore(CheckpointStore):
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._fences: dict[str, _Fence] = {}
+        self._identity = new_identity()
+
+    def identity(self) -> str:
+        """One per instance: the processes sharing it are threads of one process."""
+        return self._identity
 
     def _live_fence(self, session_id: str, now: float) -> _Fence | None:
         fence = self._fences.get(session_id)

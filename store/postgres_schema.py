@@ -17,7 +17,7 @@ from typing import Any
 from checkpointq.store.errors import StoreUnavailable
 
 #: The schema version this code reads and writes.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 #: The default PostgreSQL schema (namespace) the tables live in.
 DEFAULT_SCHEMA = "checkpointq"
@@ -27,9 +27,32 @@ _IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 
 class SchemaMismatch(StoreUnavailable):
     """The database's schema is not the one this code speaks: missing (and not to be
-    created), or newer than this code. A kind of ``StoreUnavailable``: requests wait in the
-    broker (workers pause) until an operator upgrades one side, rather than be dead-lettered
-    for a deployment's mistake."""
+    created), or newer than this code. A kind of ``StoreUnavailable``, and a refusal:
+    requests wait in the broker (workers pause) until an operator upgrades one side, rather
+    than be dead-lettered for a deployment's mistake."""
+
+    def __init__(self, message: str, *, newer: bool = False) -> None:
+        super().__init__(message)
+        self.refusal = message
+        #: The database holds a newer version: it may still serve reads (a rolling upgrade).
+        self.newer = newer
+
+
+def mismatch(found: int, schema: str, *, auto_upgrade: bool) -> str | None:
+    """Why schema version ``found`` is not one this code writes to; None when it is (or
+    when it is older and this code may upgrade it)."""
+    if found == SCHEMA_VERSION or (found < SCHEMA_VERSION and auto_upgrade):
+        return None
+    if found > SCHEMA_VERSION:
+        return (
+            f"schema {schema} is at version {found}, newer than this checkpointq "
+            f"({SCHEMA_VERSION}): upgrade checkpointq, or point it at another schema"
+        )
+    what = "missing" if found == 0 else f"at version {found}"
+    return (
+        f"schema {schema} is {what}; this checkpointq needs version {SCHEMA_VERSION}: "
+        "run `checkpointq db upgrade`"
+    )
 
 
 def check_schema_name(name: str) -> str:
@@ -84,10 +107,7 @@ def upgrade(conn: Any, schema: str = DEFAULT_SCHEMA) -> list[int]:
         )
         found = current_version(conn, schema)
         if found > SCHEMA_VERSION:
-            raise SchemaMismatch(
-                f"schema {schema} is at version {found}, newer than this checkpointq "
-                f"({SCHEMA_VERSION}): upgrade checkpointq, or point it at another schema"
-            )
+            raise SchemaMismatch(str(mismatch(found, schema, auto_upgrade=False)))
         for version in range(found + 1, SCHEMA_VERSION + 1):
             conn.execute(migration(version, schema))
             conn.execute(f"INSERT INTO {schema}.schema_version (version) VALUES (%s)", (version,))
@@ -104,15 +124,7 @@ def check(conn: Any, schema: str, *, auto_upgrade: bool) -> None:
     found = current_version(conn, schema)
     if found == SCHEMA_VERSION:
         return
-    if found > SCHEMA_VERSION:
-        raise SchemaMismatch(
-            f"schema {schema} is at version {found}, newer than this checkpointq "
-            f"({SCHEMA_VERSION}): upgrade checkpointq, or point it at another schema"
-        )
-    if not auto_upgrade:
-        what = "missing" if found == 0 else f"at version {found}"
-        raise SchemaMismatch(
-            f"schema {schema} is {what}; this checkpointq needs version {SCHEMA_VERSION}: "
-            "run `checkpointq db upgrade`"
-        )
+    why = mismatch(found, schema, auto_upgrade=auto_upgrade)
+    if why is not None:
+        raise SchemaMismatch(why, newer=found > SCHEMA_VERSION)
     upgrade(conn, schema)

@@ -26,6 +26,7 @@ from functools import partial
 from typing import Any, Protocol
 
 import redis
+import redis.asyncio
 from redis import exceptions as redis_errors
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
@@ -45,6 +46,7 @@ from checkpointq.store.base import (
     SaveResult,
     SessionCounts,
     StoreOptions,
+    new_identity,
     validate_seq,
 )
 from checkpointq.store.cluster import cluster_client_from_url
@@ -192,6 +194,7 @@ class RedisStore(CheckpointStore):
         #: saved up to 100 KB checkpoints, ~40 KB stored).
         self.stage_from_bytes = STAGE_FROM_BYTES
         self._display_url = redact_url(url) if url else "<client>"
+        self._url = url
         # Where the next sweep starts, so that a backlog in early slots cannot starve the rest.
         self._sweep_from = 0
         # Cluster sweeps, pages and counts: the slot indexes grouped by the node serving
@@ -261,6 +264,21 @@ class RedisStore(CheckpointStore):
             prefix=settings.key_prefix,
             options=settings.store_options(),
             socket_timeout=socket_timeout,
+        )
+
+    def asyncio_client(self) -> redis.asyncio.Redis | None:
+        """A ``redis.asyncio`` client to this store's Redis, with its socket timeouts (the
+        asyncio producer reads through it); None for a cluster or a store made from a client
+        rather than a URL."""
+        if self._url is None or self._cluster:
+            return None
+        kwargs = self.client.connection_pool.connection_kwargs
+        return redis.asyncio.Redis.from_url(
+            redis_py_url(self._url),
+            decode_responses=False,
+            socket_timeout=kwargs.get("socket_timeout"),
+            socket_connect_timeout=kwargs.get("socket_connect_timeout"),
+            health_check_interval=30,
         )
 
     def __repr__(self) -> str:
@@ -536,7 +554,11 @@ class RedisStore(CheckpointStore):
                 keys=[keys.data, keys.fence], args=[]
             )
         checkpoint = None if stored is None else self._decode(session_id, stored)
-        return checkpoint, self.fence_from_reply(seq, deleted, req, deadline), int(now)
+        return (
+            checkpoint,
+            self.fence_from_reply(seq, deleted, req, deadline, now_ms=int(now)),
+            int(now),
+        )
 
     def fence(self, session_id: str) -> Fence | None:
         self.check_session_id(session_id)
@@ -545,7 +567,8 @@ class RedisStore(CheckpointStore):
         return self.fence_from_reply(*reply)
 
     def fences(self, session_ids: Sequence[str]) -> list[Fence | None]:
-        """Each session's fence, in one pipelined round trip (per node on a cluster)."""
+        """Each session's fence, in one pipelined round trip (per node on a cluster), live
+        by the server's clock (as a list judges them)."""
         if not session_ids:
             return []
         for session_id in session_ids:
@@ -555,7 +578,9 @@ class RedisStore(CheckpointStore):
             for session_id in session_ids:
                 pipe.hmget(self.keys.fence(session_id), *_FENCE_FIELDS)
             replies = pipe.execute()
-        return [self.fence_from_reply(*reply) for reply in replies]
+            seconds, micros = self.client.time()
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        return [self.fence_from_reply(*reply, now_ms=now_ms) for reply in replies]
 
     def request_outcome(
         self, session_id: str, request_id: str
@@ -576,24 +601,33 @@ class RedisStore(CheckpointStore):
         deleted: bytes | None,
         request_id: bytes | None,
         deadline: bytes | None = None,
+        *,
+        now_ms: int | None = None,
     ) -> Fence | None:
         """A fence from its hash fields (``_FENCE_FIELDS``, as HMGET or load.lua return
-        them). The sweep and reconciliation remove ``deadline`` once the value is gone."""
+        them), live if its deadline is after ``now_ms`` (default: this store's clock). The
+        sweep and reconciliation remove ``deadline`` once the value is gone."""
         if seq is None:
             return None
-        live = deadline is not None and float(deadline) > _ms(self.clock())
+        now_ms = _ms(self.clock()) if now_ms is None else now_ms
+        live = deadline is not None and float(deadline) > now_ms
         kind = _text(deleted)
         return Fence(int(seq), kind == "1", _text(request_id), live and kind == "0", kind == "2")
 
     def list_page(self, cursor: str | None = None, count: int = 1000) -> Page:
         """One page of live ids; the cursor is ZSCAN's on a single Redis and
         ``"<slot>:<zscan cursor>"`` on a cluster layout, which walks the slots in order, a
-        run of one node's slots per ``page.lua`` call."""
-        now_ms = _ms(self.clock())
+        run of one node's slots per ``page.lua`` call. Deadlines are judged by the server's
+        clock, as loads judge them (load.lua): a process whose own clock runs ahead would
+        otherwise list none of the sessions its loads return."""
         slot, inner = self._parse_cursor(cursor)
         if not isinstance(self.keys, ClusterKeySpace):
             with _store_errors("list sessions"):
-                next_cursor, entries = self.client.zscan(self.keys.index(), inner, count=count)
+                pipe = self.client.pipeline(transaction=False)
+                pipe.time()
+                pipe.zscan(self.keys.index(), inner, count=count)
+                (seconds, micros), (next_cursor, entries) = pipe.execute()
+            now_ms = int(seconds) * 1000 + int(micros) // 1000
             ids = [member.decode() for member, score in entries if score > now_ms]
             return Page(ids, str(next_cursor) if int(next_cursor) else None)
         chunks = self._chunks_by_node()
@@ -601,7 +635,7 @@ class RedisStore(CheckpointStore):
         while slot < REDIS_CLUSTER_HASH_SLOTS:
             node, indexes = chunks[self._chunk_of_slot[slot]]
             first = slot - self._chunk_of_slot_start[slot]
-            args = [now_ms, max(1, count - len(ids)), inner, *indexes[first:]]
+            args = ["", max(1, count - len(ids)), inner, *indexes[first:]]  # the node's time
             [(done, next_inner, *members)] = self._on_nodes(
                 "list sessions", self.scripts.page, [(node, [], args)]
             )
@@ -981,6 +1015,16 @@ class RedisStore(CheckpointStore):
         with _store_errors("migrate the sharded layout"):
             self.client.delete(self.keys.sweep_hint())
         return moved
+
+    def identity(self) -> str:
+        """Written once (``SET NX``) by the store's first user, then read by everyone."""
+        key = self.keys.identity()
+        with _store_errors("read the store's identity"):
+            found = self.client.get(key)
+            if found is None:  # (only then a write: a store refusing writes still reads)
+                self.client.set(key, new_identity(), nx=True)
+                found = self.client.get(key)
+        return _text(found)
 
     def ping(self) -> None:
         """Raise StoreUnavailable unless Redis answers."""

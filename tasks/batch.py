@@ -22,7 +22,7 @@ from typing import Any
 from celery import Task
 
 from checkpointq.store.base import BatchOp, BatchResult, DeleteOp, LapseOp, SaveOp, SaveResult
-from checkpointq.store.errors import InvalidInput
+from checkpointq.store.errors import InvalidInput, SessionBusy
 from checkpointq.store.model import validate_session_id
 from checkpointq.store.serde import checkpoint_from_wire, dumps_go
 from checkpointq.tasks import observers, runtime
@@ -89,7 +89,8 @@ def item_outcome(op: BatchOp, result: SaveResult | bool) -> Outcome:
     if isinstance(op, LapseOp):  # a staged save past its deadline: never stored
         return {"outcome": "expired", "session_id": op.session_id, "seq": op.seq}
     session_id = op.session_id if isinstance(op, DeleteOp) else op.checkpoint.session_id
-    return {"outcome": "deleted" if result else "stale", "session_id": session_id, "seq": op.seq}
+    outcome = "deleted" if result else "superseded"
+    return {"outcome": outcome, "session_id": session_id, "seq": op.seq}
 
 
 def _item_request(
@@ -178,8 +179,15 @@ def apply_batch(task: Task, items: object) -> Outcome:
     rt = runtime.current()
     # Raises StoreUnavailable for the whole batch: CheckpointTask retries the message.
     results: list[BatchResult] = rt.store.apply_batch(ops)
+    busy = next((r for r in results if isinstance(r, SessionBusy)), None)
+    if busy is not None:
+        # A session's row is held: the whole message retries (the items that applied
+        # apply again harmlessly), and nothing is dead-lettered before it lands.
+        raise busy
     outcomes: list[Outcome | None] = [None] * len(items)
     for position, op, result in zip(positions, ops, results, strict=True):
+        if isinstance(result, SessionBusy):
+            continue  # raised above
         if isinstance(result, InvalidInput):
             refused[position] = result
         else:

@@ -10,14 +10,13 @@ Task names are the message contract (``checkpointq.tasks.messages``, docs/protoc
     checkpoint.reconcile()
     checkpoint.apply_batch(items: list)   (tasks/batch.py)
 
-Policy lives in ``CheckpointTask.__call__`` and the helpers below, not in the task bodies:
-bad input (``store.InvalidInput``, wrong arguments) is dead-lettered at once; anything
-unexpected is dead-lettered too, so a request never disappears with only a traceback to show
-for it. An unavailable store is retried with backoff; when the retries run out the task asks
-the store for a write (``CheckpointStore.write_refusal``): while it refuses, the message goes
-back to the queue (rejected with requeue), since an outage is no fault of the request; only
-a request that keeps failing while the store accepts other writes is dead-lettered. The
-worker meanwhile takes no messages (``worker/backpressure.py``). Staged saves: tasks/staged.py.
+Policy lives in ``CheckpointTask.__call__`` and the helpers below: bad input and anything
+unexpected are dead-lettered at once. An unavailable store is retried with backoff; with the
+retries spent, the message goes back to the queue while the store refuses writes; only a
+request that keeps failing while the store accepts other writes is dead-lettered, never one
+whose row another client holds (``SessionBusy``), one applied but not durable yet
+(``NotDurableYet``) or one sealed under a key this worker lacks (``MissingEncryptionKey``:
+retried, then requeued for a worker that has it). Staged saves: tasks/staged.py.
 """
 
 from __future__ import annotations
@@ -34,10 +33,11 @@ from celery.exceptions import Reject
 from redis.exceptions import RedisError
 
 from checkpointq.store.base import SaveResult
-from checkpointq.store.errors import InvalidInput, StoreUnavailable
+from checkpointq.store.encryption import MissingEncryptionKey
+from checkpointq.store.errors import InvalidInput, NotDurableYet, SessionBusy, StoreUnavailable
 from checkpointq.store.model import validate_session_id
 from checkpointq.store.serde import checkpoint_from_wire
-from checkpointq.tasks import batch, messages, observers, runtime, staged
+from checkpointq.tasks import batch, held_rows, messages, observers, orphans, runtime, staged
 from checkpointq.tasks.dead_letters import Reason, RefusedRequest
 from checkpointq.tasks.messages import (
     DELETE,
@@ -86,13 +86,13 @@ def save_staged(task: Task, session_id: object, seq: object, trimmed: object = 0
         raise StoreUnavailable(f"could not read the staged value from the broker: {exc}") from exc
     if found is None:
         if staged.settled_before(rt.store, request):
-            return {"outcome": "stale", "session_id": request.session_id, "seq": request.seq}
+            return {"outcome": "superseded", "session_id": request.session_id, "seq": request.seq}
         raise staged.lost(request)
     op = staged.save_op(rt.store, request, found[0], rt.max_message_bytes)
     # The value holds this session's checkpoint (save_op checked): its settle may delete it.
     task.request.checkpointq_staged_legacy = found[1]
     (result,) = rt.store.apply_batch([op])
-    if isinstance(result, InvalidInput):
+    if isinstance(result, (InvalidInput, SessionBusy)):
         raise result
     assert isinstance(result, SaveResult)  # a save's result, or its refusal above
     return save_outcome(result)
@@ -107,7 +107,7 @@ def delete(task: Task, session_id: object, seq: int | None = None) -> Outcome:
     sid = validate_session_id(session_id)
     seq = accepted_seq(seq)
     applied = runtime.current().store.delete(sid, seq, task.request.id or "")
-    return {"outcome": "deleted" if applied else "stale", "session_id": sid, "seq": seq}
+    return {"outcome": "deleted" if applied else "superseded", "session_id": sid, "seq": seq}
 
 
 def refresh(session_id: object) -> Outcome:
@@ -127,7 +127,19 @@ def expire_stale() -> Outcome:
         limit=rt.sweep_limit,
         events_maxlen=rt.events_maxlen,
     )
-    return result.as_json()
+    outcome = result.as_json()
+    if rt.pending is not None and not result.locked_out:
+        # Pending records whose message is gone (a purge): settled as lost (issue 44).
+        lost = orphans.reap(
+            rt.pending.broker,
+            rt.pending.keys,
+            rt.queue,
+            rt.store,
+            rt.dead_letters,
+            grace_seconds=rt.orphan_grace_seconds,
+        )
+        outcome["lost"] = len(lost)
+    return outcome
 
 
 def reconcile() -> Outcome:
@@ -229,8 +241,9 @@ def _as_sent(
 ) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
     """The request a dead letter keeps: a staged save as the plain ``checkpoint.save`` of
     its staged value (so that it replays with its checkpoint, whose staged copy goes when
-    the request settles), every other request as it came. A value that is not this
-    session's checkpoint is never kept as this request's (nor deleted with it)."""
+    the request settles), or, sealed, with its ciphertext (``staged.sealed_kwargs``); every
+    other request as it came. A value that is not this session's checkpoint is never kept
+    as this request's (nor deleted with it)."""
     if task.name != SAVE_STAGED:
         return task.name, args, kwargs
     rt = runtime.current()
@@ -248,6 +261,11 @@ def _as_sent(
         raise StoreUnavailable(f"could not read the staged value from the broker: {exc}") from exc
     checkpoint = None
     if found is not None and len(found[0]) <= limit:
+        sealed = staged.sealed_kwargs(rt.store, request, found[0])
+        if sealed is not None:
+            # Encrypted: the entry keeps the ciphertext, never the checkpoint in clear.
+            task.request.checkpointq_staged_legacy = found[1]
+            return task.name, (session_id,), {**sealed, "seq": seq}
         checkpoint = staged.expanded(rt.store, request, found[0])
     if found is None or checkpoint is None:
         # Undecodable, oversize or another session's: it stays on the broker, for people to
@@ -288,7 +306,7 @@ def _observe(
 
 
 #: Outcomes after which a request is settled: its pending entry is no longer needed.
-_SETTLED = frozenset({"applied", "stale", "expired", "deleted", "dead_lettered"})
+_SETTLED = frozenset({"applied", "superseded", "expired", "deleted", "dead_lettered"})
 
 
 #: The tasks whose requests our producers write pending records for.
@@ -393,11 +411,24 @@ class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
     def _ride_out(
         self, exc: StoreUnavailable, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Outcome:
-        """Retry; with the retries spent, requeue while the store refuses writes."""
+        """Retry; with the retries spent, requeue while the store refuses writes. A session
+        whose row another client holds retries with no limit: the store takes every other
+        write, and the request is no less valid for waiting."""
         rt = runtime.current()
         retries = self.request.retries or 0
+        if isinstance(exc, SessionBusy):
+            held_rows.record(rt.redis, rt.keys, exc)
+            return self._retry(exc, args, kwargs)
+        if isinstance(exc, MissingEncryptionKey):
+            # A worker with the key applies it: held, never dead-lettered. Past the retries
+            # it goes back to the queue, for whichever worker takes it next.
+            if not rt.retry.exhausted(retries):
+                return self._retry(exc, args, kwargs)
+            self._requeue(str(exc), args, kwargs)
         if not rt.retry.exhausted(retries):
             return self._retry(exc, args, kwargs)
+        if isinstance(exc, NotDurableYet):
+            self._requeue(str(exc), args, kwargs)
         refusal = rt.store.write_refusal()
         if refusal is not None:
             self._requeue(f"the store refuses writes: {refusal}", args, kwargs)
@@ -405,6 +436,11 @@ class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
             # The store accepts writes again (it came back since the last failure): one last
             # attempt, so that the end of an outage never dead-letters a valid request.
             return self.run(*args, **kwargs)  # type: ignore[no-any-return]
+        except SessionBusy as busy:
+            held_rows.record(rt.redis, rt.keys, busy)
+            return self._retry(busy, args, kwargs)
+        except NotDurableYet as waiting:
+            self._requeue(str(waiting), args, kwargs)
         except Exception as again:  # dead-lettered below, whatever it is: never dropped
             down = isinstance(again, StoreUnavailable)
             kind = Reason.RETRIES_EXHAUSTED if down else Reason.FAILED
@@ -430,13 +466,18 @@ class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
         policy = runtime.current().retry
         retries = self.request.retries or 0
         countdown = policy.countdown(retries)
+        limit = (
+            "no limit"
+            if isinstance(exc, (SessionBusy, MissingEncryptionKey))
+            else str(policy.max_retries)
+        )
         logger.warning(
-            "%s [%s]: %s; retry %d/%d in %.1fs",
+            "%s [%s]: %s; retry %d/%s in %.1fs",
             self.name,
             self.request.id,
             exc,
             retries + 1,
-            policy.max_retries,
+            limit,
             countdown,
         )
         _observe(self, {"outcome": "retried"}, None, args, kwargs)

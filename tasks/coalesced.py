@@ -6,10 +6,10 @@ job. Only the happy path is handled here: each request that parses as a plain sa
 delete becomes one item of ``CheckpointStore.apply_batch`` (each fenced by its own ``seq``,
 in arrival order, so the end state is the one of applying them one by one), and is reported
 as done. Everything else (a body that does not parse, bad arguments, invalid input, a value
-the store refuses) is reported as not done: the main process then runs that message as the
-single task it is, through ``CheckpointTask``, which dead-letters or retries it exactly as
-without coalescing. An unavailable store raises, and every message of the group takes that
-path too.
+the store refuses, a session whose row another client holds) is reported as not done: the
+main process then runs that message as the single task it is, through ``CheckpointTask``,
+which dead-letters or retries it exactly as without coalescing. An unavailable store raises,
+and every message of the group takes that path too.
 
 Each request also gets Celery's task signals (``checkpointq.tasks.item_signals``) when a
 handler listens; for that the main process hands over each message's headers and
@@ -18,21 +18,25 @@ handler listens; for that the main process hands over each message's headers and
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from redis.exceptions import RedisError
 
 from checkpointq.store.base import BatchOp, DeleteOp, LapseOp, SaveOp
-from checkpointq.store.errors import InvalidInput
+from checkpointq.store.encryption import MissingEncryptionKey
+from checkpointq.store.errors import InvalidInput, SessionBusy
 from checkpointq.store.model import validate_session_id
 from checkpointq.store.serde import checkpoint_from_wire
-from checkpointq.tasks import batch, messages, observers, runtime, staged
+from checkpointq.tasks import batch, held_rows, messages, observers, runtime, staged
 from checkpointq.tasks.checkpoints import outcomes
 from checkpointq.tasks.item_signals import ItemSignals, wanted
 from checkpointq.tasks.producer.pending import Settlement
 from checkpointq.tasks.seq import accepted_seq
 from checkpointq.tasks.staged import StagedSave
+
+logger = logging.getLogger(__name__)
 
 #: One request as the main process hands it over: (task name, task id, protocol 2 body,
 #: message headers, delivery_info).
@@ -132,8 +136,8 @@ def _resolve(rt: runtime.Runtime, parsed: list[_Parsed]) -> list[_Resolved]:
         elif (found := next(values)) is not None:
             try:
                 save = staged.save_op(rt.store, request, found[0], limit)
-            except InvalidInput:
-                continue
+            except (InvalidInput, MissingEncryptionKey):
+                continue  # the task path refuses it, or holds it for a worker with the key
             resolved.append((position, save, args, kwargs, found[1]))
     return resolved
 
@@ -169,8 +173,18 @@ def apply_requests(requests: list[Request]) -> list[Settled | None]:
         return done
     results = rt.store.apply_batch(ops)
     seconds = (time.perf_counter() - started) / len(ops)
+    busy = [r for r in results if isinstance(r, SessionBusy) and not r.by_worker]
+    if busy:
+        # Its session's row is held: it runs as its own task and backs off alone.
+        for held in busy:
+            held_rows.record(rt.redis, rt.keys, held)
+        logger.warning(
+            "%s; it retries on its own, the other %d request(s) of its group applied",
+            "; ".join(str(b) for b in busy),
+            sum(1 for r in results if not isinstance(r, (InvalidInput, SessionBusy))),
+        )
     for index, (position, op, result) in enumerate(zip(positions, ops, results, strict=True)):
-        if isinstance(result, InvalidInput):
+        if isinstance(result, (InvalidInput, SessionBusy)):
             continue
         outcome = batch.item_outcome(op, result)
         task, task_id = requests[position][:2]

@@ -17,6 +17,7 @@ Public API, used by the CLI (``checkpointq dlq ...``)::
 
 from __future__ import annotations
 
+import base64
 import enum
 import json
 import logging
@@ -32,7 +33,7 @@ from checkpointq.store.errors import InvalidCheckpoint
 from checkpointq.store.keys import KeySpace
 from checkpointq.store.serde import checkpoint_from_wire
 from checkpointq.tasks.errors import NotFound, NotReplayable, redis_unavailable
-from checkpointq.tasks.messages import SAVE, SAVE_STAGED
+from checkpointq.tasks.messages import SAVE, SAVE_STAGED, SEALED_KWARG
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class Reason(enum.StrEnum):
     RETRIES_EXHAUSTED = "retries_exhausted"  # kept failing while the store accepted writes
     FAILED = "failed"  # an unexpected error (a bug, or corrupt stored data)
     EXPIRED = "expired"  # its ``expires`` header had passed when the worker received it
+    LOST = "lost"  # its message was gone while its pending record stayed (tasks/orphans.py)
 
 
 class RefusedRequest(NamedTuple):
@@ -66,9 +68,12 @@ class RefusedRequest(NamedTuple):
 
 
 class Sender(Protocol):
-    """What replay needs from a producer: publish a task by name (``CheckpointClient``)."""
+    """What replay needs from a producer (``CheckpointClient``): publish a task by name,
+    and stage a sealed value again beside a staged save naming it."""
 
     def send(self, task: str, args: list[Any], kwargs: dict[str, Any]) -> str: ...
+
+    def send_sealed(self, session_id: str, seq: int, value: bytes) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,10 +106,14 @@ class DeadLetter:
         """Why a replay of this entry would be refused again whatever the store holds, or
         None. Only what is certain counts: a request refused for the time or the store's
         state may apply later, so it stays replayable."""
+        if self.kind == Reason.LOST:
+            return "its message was lost; raw holds a save's value as the store would hold it"
         if self.task is None or self.args is None:
             return "its task and arguments could not be decoded"
         if self.kind == Reason.OVERSIZE:
             return "it was oversize"
+        if self.task == SAVE_STAGED and self.sealed_value is not None:
+            return None
         if self.task == SAVE_STAGED:
             # The value waited on the broker under the refused request's id; a replay is a
             # request of its own, and would find none.
@@ -115,6 +124,18 @@ class DeadLetter:
             except InvalidCheckpoint as exc:
                 return f"its checkpoint is invalid ({exc})"
         return None
+
+    @property
+    def sealed_value(self) -> bytes | None:
+        """An encrypted staged save's sealed value, which the entry keeps in place of its
+        checkpoint (``messages.SEALED_KWARG``); None for any other entry."""
+        sealed = (self.kwargs or {}).get(SEALED_KWARG)
+        if self.task != SAVE_STAGED or not isinstance(sealed, str):
+            return None
+        try:
+            return base64.b64decode(sealed, validate=True)
+        except ValueError:
+            return None
 
     def as_json(self) -> dict[str, Any]:
         """The entry as JSON-able data (raw body as text, undecodable bytes replaced)."""
@@ -277,7 +298,14 @@ class DeadLetters:
         why = letter.never_applies
         if why is not None or letter.task is None or letter.args is None:
             raise NotReplayable(f"dead letter {entry_id} ({letter.kind}) cannot apply: {why}")
-        task_id = sender.send(letter.task, letter.args, letter.kwargs or {})
+        sealed = letter.sealed_value
+        if sealed is not None:
+            seq = (letter.kwargs or {}).get("seq")
+            if not isinstance(seq, int) or not letter.args or not isinstance(letter.args[0], str):
+                raise NotReplayable(f"dead letter {entry_id}: its session id or seq is missing")
+            task_id = sender.send_sealed(letter.args[0], seq, sealed)
+        else:
+            task_id = sender.send(letter.task, letter.args, letter.kwargs or {})
         self.remove(entry_id)
         logger.info("replayed dead letter %s as %s [%s]", entry_id, letter.task, task_id)
         return task_id

@@ -80,6 +80,12 @@ def save_body(document: bytes, seq: int) -> bytes:
     return b"".join((prefix, document, suffix))
 
 
+#: The dead-letter kwarg holding an encrypted staged save's sealed value (base64), in place of
+#: its checkpoint: ``dlq replay`` stages it again (``DeadLetters.replay``), ``dlq show``
+#: opens it only with the keys.
+SEALED_KWARG = "sealed"
+
+
 def save_staged_body(session_id_json: bytes, seq: int, trimmed: int = 0) -> bytes:
     """The body of ``checkpoint.save_staged(<session id>, seq=seq[, trimmed=trimmed])``."""
     kwargs = b'{"seq":%d,"trimmed":%d}' % (seq, trimmed) if trimmed else seq_kwargs(seq)
@@ -190,7 +196,7 @@ def save_outcome(result: SaveResult) -> dict[str, Any]:
     what a batch reports for each save item: the one place it is built. ``expired``: it
     arrived past its deadline and was never stored (``checkpointq.store.ordering``)."""
     return {
-        "outcome": "applied" if result.applied else "expired" if result.lapsed else "stale",
+        "outcome": "applied" if result.applied else "expired" if result.lapsed else "superseded",
         "session_id": result.session_id,
         "seq": result.seq,
         "version": result.version,

@@ -41,7 +41,7 @@ class Observation:
 
     #: Short task name (``save``, ``delete``, ``refresh``, ``expire_stale``, ``other``).
     task: str
-    #: applied, stale, deleted, refreshed, absent, swept, locked_out, dead_lettered, retried,
+    #: applied, superseded, deleted, refreshed, absent, swept, locked_out, dead_lettered, retried,
     #: batch (a whole ``apply_batch`` request; its items are observed one by one).
     outcome: str
     task_id: str | None = None

@@ -46,6 +46,10 @@ class Runtime:
     events_maxlen: int = 100_000
     #: Settles the pending records on a Redis broker (None: no records on this broker).
     pending: Settler | None = None
+    #: The queue the workers consume (where a pending request's message waits).
+    queue: str = "checkpoints"
+    #: How old a pending entry must be before the sweep looks for its message (orphans).
+    orphan_grace_seconds: float = 600.0
 
     def close(self) -> None:
         self.store.close()

@@ -12,6 +12,7 @@ message for another session carrying the same request id can read or delete it.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ import orjson
 
 from checkpointq.store import redis_hooks
 from checkpointq.store.base import CheckpointStore, EncodedCheckpoint, SaveOp
+from checkpointq.store.encryption import MissingEncryptionKey, is_sealed
 from checkpointq.store.errors import CorruptCheckpoint, InvalidInput
 from checkpointq.store.model import validate_session_id
 from checkpointq.store.ordering import order_key
@@ -137,13 +139,17 @@ def save_op(store: CheckpointStore, request: StagedSave, value: bytes, max_bytes
             "message limit (CHECKPOINTQ_MAX_MESSAGE_BYTES)"
         )
     try:
-        checkpoint = store.decode_value(request.session_id, value)
+        decoded = store.decode_staged(request.session_id, value)
     except CorruptCheckpoint as exc:
         raise InvalidInput(f"its staged value does not decode: {exc}") from None
+    checkpoint = decoded.checkpoint
     if checkpoint.session_id != request.session_id:
         raise InvalidInput("its staged value is another session's checkpoint", field="session_id")
-    encoded = EncodedCheckpoint(value, request.trimmed)
-    return SaveOp(checkpoint, request.seq, request.request_id, encoded)
+    # JSON (a producer's staged save that fits) is compressed by the store, as it is when
+    # canonical; only a value in its format is offered as it is (``encode_op`` checks its
+    # cap and budget).
+    encoded = EncodedCheckpoint(value, request.trimmed) if decoded.own_format else None
+    return SaveOp(checkpoint, request.seq, request.request_id, encoded, decoded.document)
 
 
 def settled_before(store: CheckpointStore, request: StagedSave) -> bool:
@@ -176,3 +182,21 @@ def expanded(store: CheckpointStore, request: StagedSave, value: bytes) -> list[
     if messages.requested_session(messages.SAVE, [document], {}) != request.session_id:
         return None
     return [document]
+
+
+def sealed_kwargs(
+    store: CheckpointStore, request: StagedSave, value: bytes
+) -> dict[str, Any] | None:
+    """A sealed staged value as a dead letter keeps it (``{"sealed": <base64>}``), when it
+    opens as this session's checkpoint; None for a clear value, or one that does not open
+    here (another session's, altered, or under a key this worker lacks: it then stays on
+    the broker, as an undecodable value does)."""
+    if not is_sealed(value):
+        return None
+    try:
+        checkpoint = store.decode_value(request.session_id, value)
+    except (CorruptCheckpoint, MissingEncryptionKey):
+        return None
+    if checkpoint.session_id != request.session_id:
+        return None
+    return {messages.SEALED_KWARG: base64.b64encode(value).decode()}

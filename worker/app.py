@@ -141,12 +141,15 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 
 def _reserve_options(settings: Settings) -> dict[str, Any]:
     """The worker's own transport options for a Redis broker: the bytes its main process
-    holds reserved at most (``worker/reserve.py``) and the largest item it reads
+    holds reserved at most and how long an idle one lets requests gather before reserving
+    them (``worker/reserve.py``), and the largest item it reads
     (``worker/oversize.py``). RabbitMQ's client takes no such option."""
     if settings.broker_url is None or broker_kind(settings.broker_url) is BrokerKind.AMQP:
         return {}
+    linger = settings.wake_linger_ms if settings.coalescing else 0.0
     return {
-        reserve.MAX_HELD_BYTES_OPTION: settings.prefetch_max_bytes
+        reserve.MAX_HELD_BYTES_OPTION: settings.prefetch_max_bytes,
+        reserve.WAKE_LINGER_OPTION: linger,
     } | oversize.transport_options(
         settings.key_prefix, settings.max_message_bytes, settings.oversize_kept
     )
@@ -167,6 +170,13 @@ def build_runtime(settings: Settings) -> Runtime:
             socket_connect_timeout=5,
         )
     logger.info("store %s", store)
+    keyring = settings.keyring
+    if keyring is not None:  # ids only: a key is never logged
+        logger.info(
+            "encryption at rest: values sealed under key id %r; key ids held: %s",
+            keyring.primary,
+            ", ".join(keyring.key_ids),
+        )
     return Runtime(
         store=store,
         redis=side,
@@ -185,6 +195,8 @@ def build_runtime(settings: Settings) -> Runtime:
         reconcile_budget=settings.reconcile_budget,
         events_maxlen=settings.events_maxlen,
         pending=_settler(settings),
+        queue=settings.queue,
+        orphan_grace_seconds=settings.orphan_grace_seconds,
     )
 
 

@@ -27,28 +27,33 @@ def beat_config(settings: Settings) -> dict[str, Any]:
     interval = settings.sweep_interval_seconds
     # Beat wakes up at least this often; RedBeat extends its lock on each wake-up, so the
     # lock's lifetime is a few of these: a crashed beat is replaced within seconds.
-    tick = min(interval, settings.reconcile_interval_seconds, 5.0)
-    return {
-        "beat_schedule": {
-            SWEEP_ENTRY: {
-                "task": EXPIRE_STALE,
-                "schedule": interval,
-                "options": {
-                    "queue": settings.queue,
-                    # A sweep still queued when the next is due is redundant: let it lapse.
-                    "expires": interval,
-                },
-            },
-            RECONCILE_ENTRY: {
-                "task": RECONCILE,
-                "schedule": settings.reconcile_interval_seconds,
-                "options": {
-                    "queue": settings.queue,
-                    # The cursor is in Redis: a lapsed slice is simply done by the next one.
-                    "expires": settings.reconcile_interval_seconds,
-                },
+    # Reconciliation adopts values other writers (the Go store) left in a Redis store; a
+    # PostgreSQL store has no other writer and nothing to reconcile: no entry.
+    reconciles = not settings.store_is_postgres
+    tick = min(interval, settings.reconcile_interval_seconds if reconciles else interval, 5.0)
+    schedule: dict[str, Any] = {
+        SWEEP_ENTRY: {
+            "task": EXPIRE_STALE,
+            "schedule": interval,
+            "options": {
+                "queue": settings.queue,
+                # A sweep still queued when the next is due is redundant: let it lapse.
+                "expires": interval,
             },
         },
+    }
+    if reconciles:
+        schedule[RECONCILE_ENTRY] = {
+            "task": RECONCILE,
+            "schedule": settings.reconcile_interval_seconds,
+            "options": {
+                "queue": settings.queue,
+                # The cursor is in Redis: a lapsed slice is simply done by the next one.
+                "expires": settings.reconcile_interval_seconds,
+            },
+        }
+    return {
+        "beat_schedule": schedule,
         "beat_scheduler": "redbeat.RedBeatScheduler",
         # Schedule and lock on a plain Redis: the store's, else (a cluster store, which
         # RedBeat's pipelines cannot span) the broker's, else CHECKPOINTQ_BEAT_URL

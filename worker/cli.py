@@ -23,11 +23,14 @@ import redis
 from kombu.exceptions import KombuError
 from redis.exceptions import RedisClusterException
 
+from checkpointq.store import encryption
 from checkpointq.store.base import Fence
 from checkpointq.store.errors import CheckpointError
 from checkpointq.store.factory import MissingExtra as MissingDriver
 from checkpointq.store.keys import KeySpace
+from checkpointq.store.memory import InMemoryStore
 from checkpointq.store.model import Checkpoint, display_id
+from checkpointq.store.rekey import rekey as rekey_store
 from checkpointq.store.serde import checkpoint_from_wire, checkpoint_to_wire, loads_json
 from checkpointq.store.urls import (
     is_cluster_url,
@@ -383,28 +386,48 @@ def _require_broker(url: str) -> None:
 
 
 def _ready_block(settings: Settings, embedded: bool, as_json: bool) -> None:
-    """What ``up`` prints once its worker consumes: where it is and how to reach it."""
+    """What ``up`` prints once its worker consumes: where the broker and the store are, and
+    what another shell must export to reach the same ones (passwords shown as ``***``)."""
     url = redact_url(settings.broker_url or "")
-    data = f"{settings.data_dir.resolve()} (embedded Redis, AOF)" if embedded else "-"
+    store_url = redact_url(settings.store_url) if settings.store_url else None
+    data = (
+        f"{settings.data_dir.resolve()} (embedded Redis, AOF fsynced every second)"
+        if embedded
+        else "-"
+    )
     if as_json:
         ready = {
             "event": "ready",
             "data_dir": str(settings.data_dir.resolve()) if embedded else None,
             "broker_url": url,
+            "store_url": store_url or url,
             "queue": settings.queue,
         }
         click.echo(json.dumps(ready), err=True)
         return
+    exports = [f"export CHECKPOINTQ_BROKER_URL={url}"]
+    if store_url:
+        exports.append(f"export CHECKPOINTQ_STORE_URL={store_url}")
+    hidden = " (with the passwords shown as ***)" if "***" in " ".join(exports) else ""
     lines = [
         "",
         "checkpointq is ready: a worker consumes queue "
         f"{settings.queue!r} and beat sweeps every {settings.sweep_interval_seconds:g} s",
         f"  data dir      {data}",
-        f"  broker+store  {url}",
-        "  other shells  from this directory: source .venv/bin/activate; checkpointq show ID",
-        f"                elsewhere: export CHECKPOINTQ_BROKER_URL={url}",
-        "  Python        CheckpointClient.from_settings(Settings()) finds it from here",
-        "  other langs   LPUSH a protocol 2 message to that Redis: docs/protocol.md, clients/go",
+        f"  broker        {url}",
+        f"  store         {store_url or 'the broker Redis itself (no CHECKPOINTQ_STORE_URL)'}",
+        f"  other shells  need{hidden}:",
+        *(f"                  {line}" for line in exports),
+        *(
+            [
+                "                (from this directory the embedded broker is found by itself; a",
+                "                store URL only from the environment or .env)",
+            ]
+            if embedded
+            else []
+        ),
+        "  Python        CheckpointClient.from_settings(Settings()) with those variables",
+        "  other langs   LPUSH a protocol 2 message to the broker: docs/protocol.md, clients/go",
         "  Ctrl-C to stop",
         "",
     ]
@@ -800,7 +823,8 @@ def health(local: bool, beat: bool, as_json: bool) -> None:
     making progress (or beat's schedule is on time, with --beat).
 
     Workers are seen through their heartbeats in the store Redis, not remote control. A
-    Redis whose maxmemory-policy may evict keys is a warning, which leaves the exit code.
+    Redis whose maxmemory-policy may evict keys is a warning, which leaves the exit code;
+    so is a broker that lost accepted requests (producers found it went back in time).
     """
     from checkpointq.worker.ops import health as checks
 
@@ -815,6 +839,81 @@ def health(local: bool, beat: bool, as_json: bool) -> None:
         if not as_json:
             click.echo(f"checkpointq: {report.line()}", err=True)
         raise SystemExit(EXIT_FAILURE)
+
+
+# -- encryption -----------------------------------------------------------------------------
+
+
+@cli.command(short_help="Print a fresh encryption key pair (id:key) for ENCRYPTION_KEYS.")
+@click.option(
+    "--id",
+    "key_id",
+    default=None,
+    metavar="ID",
+    help="The key's id (1-32 letters, digits, '_', '-', '.'); default k<UTC date and time>.",
+)
+@json_option
+def keygen(key_id: str | None, as_json: bool) -> None:
+    """Print a new key pair, ``id:key``: 32 random bytes in URL-safe base64.
+
+    Put it first in CHECKPOINTQ_ENCRYPTION_KEYS to encrypt new writes with it (the keys after
+    it still decrypt); docs/security.md describes rotation. Nothing is stored or sent."""
+    key_id = key_id or datetime.now(UTC).strftime("k%Y%m%d%H%M%S")
+    if not encryption.KEY_ID.fullmatch(key_id):
+        raise click.BadParameter("1-32 letters, digits, '_', '-' or '.'", param_hint="--id")
+    key = encryption.generate_key()
+    _emit(as_json, {"key_id": key_id, "key": key, "pair": f"{key_id}:{key}"}, [f"{key_id}:{key}"])
+
+
+@cli.command(short_help="Rewrite every stored value under the first encryption key.")
+@click.option("--cursor", help="Resume after this point (printed on stderr as it goes).")
+@click.option(
+    "--page-size",
+    type=click.IntRange(min=1, max=10_000),
+    default=500,
+    show_default=True,
+    help="Sessions read and rewritten per step.",
+)
+@json_option
+def rekey(cursor: str | None, page_size: int, as_json: bool) -> None:
+    """Rewrite every live session's value sealed under the first key of
+    CHECKPOINTQ_ENCRYPTION_KEYS (clear values and values of older keys included), so that an
+    older key can then be removed. Each rewrite is fenced: a save applied meanwhile wins."""
+    settings = _settings()
+    if settings.keyring is None:
+        raise CliFailure(
+            "no encryption keys: set CHECKPOINTQ_ENCRYPTION_KEYS (the first key is the one "
+            "values are rewritten under)"
+        )
+    store = connections.open_store(settings)
+    rewritten = superseded = 0
+    failed: list[tuple[str, str]] = []
+    try:
+        for page in rekey_store(store, cursor, page_size):
+            rewritten += page.rewritten
+            superseded += page.superseded
+            failed += page.failed
+            if page.cursor is not None and not as_json:
+                _hint(
+                    f"rekeyed {rewritten}, superseded {superseded}, failed {len(failed)} so "
+                    f"far; resume with: checkpointq rekey --cursor {page.cursor}"
+                )
+    finally:
+        store.close()
+    key_id = settings.keyring.primary
+    human = [f"rewrote {rewritten} session(s) under key {key_id!r}"]
+    if superseded:
+        human.append(f"{superseded} written or deleted meanwhile by newer requests (left as is)")
+    human += [f"failed {display_id(sid)}: {why}" for sid, why in failed]
+    data = {
+        "key_id": key_id,
+        "rewritten": rewritten,
+        "superseded": superseded,
+        "failed": [{"session_id": sid, "reason": why} for sid, why in failed],
+    }
+    _emit(as_json, data, human)
+    if failed:
+        raise CliFailure(f"{len(failed)} session(s) could not be read; see above")
 
 
 # -- housekeeping ---------------------------------------------------------------------------
@@ -916,14 +1015,36 @@ def dlq_list(limit: int, cursor: str | None, as_json: bool) -> None:
 @json_option
 def dlq_show(entry_id: str, as_json: bool) -> None:
     """Print one dead letter with its raw payload."""
-    letters = _dead_letters(_settings())
+    settings = _settings()
+    letters = _dead_letters(settings)
     try:
         letter = letters.get(entry_id)
     finally:
         letters.client.close()
     if letter is None:
         raise CliFailure(f"no dead letter {entry_id!r}")
-    _emit(as_json, letter.as_json(), _letter_lines(letter))
+    data, lines = letter.as_json(), list(_letter_lines(letter))
+    sealed = letter.sealed_value
+    if sealed is not None and letter.args:
+        # Encrypted: the entry holds ciphertext; it is opened here only with the keys.
+        opened = _open_sealed(settings, str(letter.args[0]), sealed)
+        data["checkpoint"] = opened if isinstance(opened, dict) else None
+        lines.append(
+            f"checkpoint {_compact(opened)[:2000] if isinstance(opened, dict) else opened}"
+        )
+    _emit(as_json, data, lines)
+
+
+def _open_sealed(settings: Settings, session_id: str, sealed: bytes) -> dict[str, Any] | str:
+    """A dead letter's sealed value as the checkpoint's JSON, or why it cannot be shown."""
+    key_id = encryption.sealed_key_id(sealed) or "?"
+    if settings.keyring is None:
+        return f"(encrypted under key id {key_id!r}: set CHECKPOINTQ_ENCRYPTION_KEYS to show it)"
+    try:
+        checkpoint = InMemoryStore(settings.store_options()).decode_value(session_id, sealed)
+    except CheckpointError as exc:
+        return f"(cannot be opened: {exc})"
+    return checkpoint_to_wire(checkpoint)
 
 
 def _letter_lines(letter: DeadLetter) -> Iterator[str]:

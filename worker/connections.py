@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import redis
-from pydantic import ValidationError
 
 from checkpointq.store.base import CheckpointStore
 from checkpointq.store.cluster import cluster_client_from_url
@@ -19,6 +18,7 @@ from checkpointq.store.keys import KeySpace
 from checkpointq.store.redis import layout as store_layout
 from checkpointq.store.urls import is_cluster_url, redis_py_url
 from checkpointq.worker.embedded import EmbeddedRedis
+from checkpointq.worker.settings import InvalidSettings as InvalidSettings
 from checkpointq.worker.settings import Settings
 
 #: Seconds a CLI command waits for Redis to connect or answer before reporting it down.
@@ -29,10 +29,6 @@ class NotConfigured(CheckpointError):
     """No broker URL is set and no embedded Redis runs under the data directory."""
 
 
-class InvalidSettings(CheckpointError):
-    """A CHECKPOINTQ_ variable holds a value the settings refuse."""
-
-
 def load_settings(**overrides: Any) -> Settings:
     """Read the settings (``overrides``, by field name, win over the environment), turning
     a validation failure into one line without the values.
@@ -41,14 +37,7 @@ def load_settings(**overrides: Any) -> Settings:
         InvalidSettings: the first refused variable and why (its value is not echoed: it
             may be a URL with a password).
     """
-    try:
-        return Settings(**overrides)
-    except ValidationError as exc:
-        first = exc.errors(include_url=False, include_input=False)[0]
-        name = "_".join(str(part) for part in first["loc"]).upper()
-        where = f"CHECKPOINTQ_{name}" if name else "settings"
-        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        raise InvalidSettings(f"invalid {where}: {first['msg']}{more}") from None
+    return Settings(**overrides)
 
 
 def with_embedded(settings: Settings, embedded: EmbeddedRedis) -> Settings:

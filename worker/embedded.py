@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 MAX_SOCKET_PATH = 103
 #: Seconds a starting server may take to answer PING before we give up.
 START_TIMEOUT = 15.0
+#: Seconds `up` retries its data directory's lock: probes hold it shared for an instant.
+OWNER_LOCK_WAIT = 2.0
+#: Seconds between those tries.
+OWNER_LOCK_POLL = 0.01
 #: Seconds a stopping server may take to flush its AOF and exit before it is killed.
 STOP_TIMEOUT = 30.0
 
@@ -189,14 +193,23 @@ class EmbeddedRedis:
             self.stop()
 
     def _take_lock(self) -> None:
+        # Any command run here meanwhile (`stats`, `health`, a program's Settings()) asks
+        # running() and holds a shared lock for an instant: only a lock held longer than
+        # OWNER_LOCK_WAIT is another `up`.
         handle = self.lockfile.open("ab")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.close()
-            raise EmbeddedRedisError(
-                f"another `checkpointq up` is already running with data directory {self.data_dir}"
-            ) from None
+        deadline = time.monotonic() + OWNER_LOCK_WAIT
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    handle.close()
+                    raise EmbeddedRedisError(
+                        "another `checkpointq up` is already running with data directory "
+                        f"{self.data_dir}"
+                    ) from None
+                time.sleep(OWNER_LOCK_POLL)
         self._lock = handle
 
     def _clear_leftovers(self) -> None:
@@ -230,6 +243,8 @@ class EmbeddedRedis:
             "--pidfile", str(self.pidfile),
             "--logfile", str(self.logfile),
             "--daemonize", "no",
+            # Where durability starts (README, "Where durability starts"): a returned save is
+            # on disk within a second; a machine crash can lose the last second of them.
             "--appendonly", "yes",
             "--appendfsync", "everysec",
             "--save", "",  # the AOF is the persistence; no RDB snapshots besides it

@@ -44,6 +44,13 @@ BYTE_BUDGET = 4 * 1024 * 1024
 #: The broker transport option holding ``Settings.prefetch_max_bytes``: the bytes of message
 #: bodies a channel holds reserved (delivered, not yet acknowledged) at most, 0 for none.
 MAX_HELD_BYTES_OPTION = "checkpointq_prefetch_max_bytes"
+#: The broker transport option holding ``Settings.wake_linger_ms``: how long a channel woken
+#: from its wait lets requests gather before it reserves them (0: it reserves at once).
+WAKE_LINGER_OPTION = "checkpointq_wake_linger_ms"
+#: A channel lingers only when woken again within this many seconds of its last wake-up:
+#: requests keep coming, and sharing a reserve, a group and a commit is worth a few ms each;
+#: the first request after a quiet spell is reserved at once.
+LINGER_HORIZON = 0.1
 #: Messages one reserve takes at most when the prefetch window is unlimited (prefetch 0).
 BATCH_LIMIT = 100
 #: A wait's reply carries the item it saw, which the reader does not need: past this size
@@ -78,6 +85,13 @@ class Request:
     #: The score its entries get in the ``unacked`` index (the worker's ``time()``, as
     #: sent): what finds them again should the reply be lost (``worker/lost_settles.py``).
     score: str = ""
+    #: The bytes it may take past the first message (the script stops once it holds them).
+    budget: int = BYTE_BUDGET
+
+    def took_all_it_could(self, batch: list[Reserved]) -> bool:
+        """Whether the script stopped at this call's message or byte limit, not at an empty
+        queue: more may be queued, and the next read takes it without a wait first."""
+        return len(batch) >= self.limit or sum(len(r.item) for r in batch) >= self.budget
 
     def parse(self, reply: list[Any]) -> list[Reserved]:
         """The script's reply (triples: list index, item, tag, "" or "#size") as messages."""
@@ -111,6 +125,12 @@ class Reading:
     no_wait: str | None = None
     #: Whether the broker's refusal of the script was logged (once per channel).
     warned: bool = False
+    #: The wait sent is ``wait_command``'s, whose reply says a message is queued.
+    waking: bool = False
+    #: Woken: let requests gather for the linger (``linger_command``) before reserving.
+    linger: bool = False
+    #: When the last wait woke (``time.monotonic``): see ``LINGER_HORIZON``.
+    woke_at: float = float("-inf")
 
 
 def wait_command(key: str | bytes, timeout: float) -> list[Any]:
@@ -130,6 +150,19 @@ def sleep_command(timeout: float) -> list[Any]:
     accepted too, but what it pops is lost if recording it is refused, as a full broker
     refuses it.) ``timeout`` 0 sleeps 1 s, not forever."""
     return ["XREAD", "BLOCK", int((timeout or 1) * 1000), "STREAMS", _NOWHERE, "$"]
+
+
+def wake_linger_ms(channel: Any) -> float:
+    """How long ``channel``, woken from its wait, lets requests gather before it reserves
+    them (``Settings.wake_linger_ms``; 0: it reserves at once)."""
+    return float(channel.connection.client.transport_options.get(WAKE_LINGER_OPTION) or 0)
+
+
+def linger_command(ms: float) -> list[Any]:
+    """A command that returns nothing after ``ms`` milliseconds (at least 1: a 0 would
+    block for ever), sent on the polled connection, so that the event loop runs on while
+    requests gather on the broker: nothing is taken off a list meanwhile."""
+    return ["XREAD", "BLOCK", max(1, round(ms)), "STREAMS", _NOWHERE, "$"]
 
 
 @cache
@@ -210,7 +243,7 @@ def request(
         guard.max_item_bytes if guard is not None else 0,
         oversize.SAMPLE_BYTES // 2,
     ]
-    return Request(encoded, names, limit, aside, score), command
+    return Request(encoded, names, limit, aside, score, budget), command
 
 
 def load(channel: Any) -> None:

@@ -7,12 +7,21 @@ maps these onto Celery's configuration; ``store_options()`` onto the store's.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from checkpointq.store.base import StoreOptions
+from checkpointq.store.encryption import EncryptionError, Keyring
+from checkpointq.store.errors import CheckpointError
 from checkpointq.store.keys import DEFAULT_PREFIX, check_prefix
 from checkpointq.store.postgres_schema import DEFAULT_SCHEMA, check_schema_name
 from checkpointq.store.urls import (
@@ -29,10 +38,40 @@ from checkpointq.worker.embedded import EmbeddedRedis
 DAY = 24 * 60 * 60
 
 
-class Settings(BaseSettings):
-    """Configuration read from ``CHECKPOINTQ_*`` environment variables (or a ``.env`` file)."""
+class InvalidSettings(CheckpointError, ValueError):
+    """A CHECKPOINTQ_ variable (or a keyword given to ``Settings``) holds a value the settings
+    refuse: the first one and why, its value not echoed (it may be a URL with a password)."""
 
-    model_config = SettingsConfigDict(env_prefix="CHECKPOINTQ_", env_file=".env", extra="ignore")
+
+def _invalid(exc: ValidationError) -> InvalidSettings:
+    first = exc.errors(include_url=False, include_input=False)[0]
+    name = "_".join(str(part) for part in first["loc"]).upper()
+    where = f"CHECKPOINTQ_{name}" if name else "settings"
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    why = first["msg"].removeprefix("Value error, ")  # pydantic's words for a ValueError
+    return InvalidSettings(f"invalid {where}: {why}{more}")
+
+
+class Settings(BaseSettings):
+    """Configuration read from ``CHECKPOINTQ_*`` environment variables (or a ``.env`` file).
+
+    Raises:
+        InvalidSettings: a value is refused (a ``CheckpointError`` and a ``ValueError``, as
+            every error checkpointq raises on purpose).
+    """
+
+    # Inputs are never echoed in a validation error: they may hold keys or passwords.
+    model_config = SettingsConfigDict(
+        env_prefix="CHECKPOINTQ_", env_file=".env", extra="ignore", hide_input_in_errors=True
+    )
+
+    if not TYPE_CHECKING:  # (mypy keeps the fields' own signature, from pydantic's plugin)
+
+        def __init__(self, **values: Any) -> None:
+            try:
+                super().__init__(**values)
+            except ValidationError as exc:
+                raise _invalid(exc) from None
 
     # -- where things live ------------------------------------------------------------
     #: Celery broker URL (redis://, rediss://, unix:///path/redis.sock). Unset: `checkpointq
@@ -52,6 +91,42 @@ class Settings(BaseSettings):
     #: per version). Off: a missing or older schema is an error until `checkpointq db
     #: upgrade` runs it.
     pg_auto_upgrade: bool = True
+    #: PostgreSQL store only: let psycopg prepare statements on the server (at a
+    #: statement's fifth use). Off by default: behind PgBouncer in transaction mode before
+    #: 1.21 (Debian 12 ships 1.18), or 1.21+ without ``max_prepared_statements``, the next
+    #: call may reach another server connection where the statement does not exist. On only
+    #: for a direct connection or a pooler that keeps them (docs/operations.md#postgresql).
+    pg_prepared_statements: bool = False
+    #: PostgreSQL store only: milliseconds a group's statement waits on a row lock another
+    #: client holds (``SELECT ... FOR UPDATE`` in an analytics or erasure transaction) before
+    #: the group runs item by item: every other session applies, and the held one retries on
+    #: its own. 0: the server's ``lock_timeout``.
+    pg_lock_timeout_ms: int = Field(default=1000, ge=0)
+    #: PostgreSQL store only: when a write counts as durable (its request settled, its
+    #: message acknowledged, ``wait_durable`` answered). ``replicated`` (default): once a
+    #: standby has flushed it, if the primary has standbys (a physical replication slot or
+    #: walsender); on a primary without any, at its commit. ``local``: at the primary's
+    #: commit, even with standbys: an asynchronous standby promoted before it received the
+    #: last commits loses them (docs/reliability.md, "PostgreSQL failover").
+    pg_durability: Literal["local", "replicated"] = "replicated"
+    #: PostgreSQL store only, ``replicated``: seconds a write waits for a standby to flush
+    #: it; past that it is not settled (its message waits on the broker) and the worker
+    #: pauses until a standby streams again.
+    pg_replication_timeout_seconds: float = Field(default=10.0, gt=0)
+    #: Plain Redis brokers: when our producers' saves and deletes count as accepted (their
+    #: call returns). ``local`` (default): once the broker's primary has them (a machine
+    #: crash inside its fsync window, or a failover to a replica that had not received them,
+    #: loses them: detected and republished from the recovery window). ``replicated``: once
+    #: ``broker_replicas`` replicas acknowledged them (Redis ``WAIT`` on the publishing
+    #: connection, in the same write), else ``ReplicationTimeout`` after
+    #: ``broker_replication_timeout_ms`` (the request is queued on the primary, and may still
+    #: apply; docs/reliability.md, "The broker's durability").
+    broker_durability: Literal["local", "replicated"] = "local"
+    #: ``replicated``: how many broker replicas must acknowledge each save and delete.
+    broker_replicas: int = Field(default=1, ge=1, le=100)
+    #: ``replicated``: milliseconds a save or delete waits for them (default 1 s: a replica
+    #: on the same network acknowledges within a millisecond or two) before it raises.
+    broker_replication_timeout_ms: int = Field(default=1000, ge=1, le=60_000)
     #: Sentinel brokers (``sentinel://host:port;sentinel://host:port``): the master's name
     #: as the sentinels know it (``sentinel monitor <name> ...``).
     sentinel_master: str | None = None
@@ -103,6 +178,26 @@ class Settings(BaseSettings):
     #: clock; further ahead, it is dead-lettered, since it would make every later request
     #: for its session stale until the clocks meet (tasks/seq.py).
     max_seq_ahead_seconds: float = Field(default=300.0, gt=0)
+    #: Encryption at rest (docs/security.md): ``id:key,id:key,...``, each key 32 random
+    #: bytes in URL-safe base64 (`checkpointq keygen` prints a pair). The first key seals
+    #: every value written; all of them open values read. Unset: values are written in
+    #: clear. Never shown by any command nor logged.
+    encryption_keys: SecretStr | None = None
+    #: A file holding the same text as ``encryption_keys`` (pairs separated by commas or
+    #: new lines), e.g. a mounted secret; not both.
+    encryption_keys_file: Path | None = None
+    #: The recovery window of our Python producers on a Redis broker: the requests they
+    #: published in the last this many seconds (at most ``republish_requests`` of them and
+    #: ``republish_bytes`` of messages and values) are published again when a producer
+    #: finds the broker lost accepted requests (a crash inside its fsync window, a failover
+    #: to a lagging replica; docs/reliability.md). 0 keeps none.
+    republish_seconds: float = Field(default=10.0, ge=0)
+    republish_requests: int = Field(default=10_000, ge=0)
+    republish_bytes: int = Field(default=64 * 1024 * 1024, ge=0)
+    #: How old (by its seq) a pending request's entry must be before the sweep looks for its
+    #: message; one whose message is gone (a purge) is settled as lost, dead-lettered, at
+    #: the sweep after the one that found it (tasks/orphans.py).
+    orphan_grace_seconds: float = Field(default=600.0, gt=0)
 
     # -- delivery ---------------------------------------------------------------------
     #: Seconds before Redis redelivers a message a worker fetched but never acknowledged
@@ -140,6 +235,15 @@ class Settings(BaseSettings):
     #: process is idle (more, smaller groups under load). A message waits in the main
     #: process at most this long, or until a pool process is free or its group is full.
     coalesce_window_ms: float = Field(default=2.0, ge=0, le=1000)
+    #: Milliseconds a coalescing worker woken by a request lets more gather before it
+    #: reserves them, when its last wake-up was under 100 ms ago (Redis brokers; default 5;
+    #: 0: reserve at once). At a fraction of capacity each request otherwise wakes the
+    #: worker and is reserved, grouped, applied (a store commit of its own) and acknowledged
+    #: alone; the linger shares that cost among the requests arriving meanwhile, for up to
+    #: as many ms more before each is durable (the producer's save returns as before; the
+    #: first request after a quiet spell goes at once). Nothing leaves the queue meanwhile.
+    #: Not used without coalescing.
+    wake_linger_ms: float = Field(default=5.0, ge=0, le=100)
     #: Bytes of message bodies a worker's main process holds reserved at most (default 4 MiB;
     #: 0: bounded by the message count alone). The prefetch window counts messages: with
     #: 200 KB checkpoints its 64 messages held ~50 MB in the main process and a group's worth
@@ -215,6 +319,31 @@ class Settings(BaseSettings):
     heartbeat_seconds: float = Field(default=5.0, gt=0)
 
     _embedded: bool = PrivateAttr(default=False)
+    _keyring: Keyring | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _keys_parse(self) -> Settings:
+        # Parsed once, here, so that a malformed key is refused at start-up in one line
+        # (the message names the pair's id, never its key).
+        given = self.encryption_keys.get_secret_value() if self.encryption_keys else ""
+        if given.strip() and self.encryption_keys_file is not None:
+            raise ValueError(
+                "set CHECKPOINTQ_ENCRYPTION_KEYS or CHECKPOINTQ_ENCRYPTION_KEYS_FILE, not both"
+            )
+        try:
+            if self.encryption_keys_file is not None:
+                self._keyring = Keyring.from_file(self.encryption_keys_file)
+            elif given.strip():
+                self._keyring = Keyring.parse(given)
+        except EncryptionError as exc:
+            which = "_FILE" if self.encryption_keys_file is not None else ""
+            raise ValueError(f"CHECKPOINTQ_ENCRYPTION_KEYS{which}: {exc}") from None
+        return self
+
+    @property
+    def keyring(self) -> Keyring | None:
+        """The encryption keys (``encryption_keys``), or None: encryption is off."""
+        return self._keyring
 
     @model_validator(mode="after")
     def _find_embedded(self) -> Settings:
@@ -280,6 +409,12 @@ class Settings(BaseSettings):
                 "a PostgreSQL store needs a plain Redis broker (redis://, rediss://, unix://): "
                 "it keeps the pending records, dead letters and events beside the queue"
             )
+        if self.broker_durability == "replicated" and kind is not BrokerKind.REDIS:
+            raise ValueError(
+                f"broker_durability=replicated needs a plain Redis broker (redis://, "
+                f"rediss://, unix://), not a {kind.value} one: the WAIT goes on the "
+                "connection our producers publish on"
+            )
         if kind is BrokerKind.SENTINEL and not self.sentinel_master:
             raise ValueError("sentinel_master is required with a sentinel:// broker")
         if self.broker_url and self.resolved_beat_url is None:
@@ -331,12 +466,15 @@ class Settings(BaseSettings):
             history_cap=self.history_cap,
             max_value_bytes=self.max_value_bytes,
             sweep_full_pass_seconds=self.sweep_full_pass_seconds,
+            encryption=self._keyring,
         )
 
     def describe(self) -> dict[str, object]:
         """The settings as they may be printed or logged: URLs redacted."""
         shown = self.model_dump(mode="json")
         shown["sentinel_password"] = "****" if self.sentinel_password else None
+        keyring = self._keyring
+        shown["encryption_keys"] = None if keyring is None else {"key_ids": keyring.key_ids}
         for name in ("broker_url", "store_url", "beat_url"):
             if shown[name]:
                 shown[name] = redact_url(shown[name])

@@ -275,3 +275,77 @@ func BenchmarkBrokerMemoryPerPendingSession(b *testing.B) {
 		b.StartTimer()
 	}
 }
+
+// BenchmarkRecoveryWindowCost times the client's Save (a plain ~20 KB checkpoint) with the
+// recovery window on (the defaults: 10 s, 10,000 requests, 64 MiB) and off
+// (RepublishWindow -1), turn about on one private Redis: b.N rounds, each 2,000 saves of
+// one client, then 2,000 of the other (which goes first alternates). It reports the
+// median of the rounds' p50s for each, their ratio, and logs each round's; it asserts
+// nothing about time. Run it with
+//
+//	scripts/test-go -run '^$' -bench RecoveryWindowCost -benchtime 9x
+func BenchmarkRecoveryWindowCost(b *testing.B) {
+	ctx := context.Background()
+	server, err := startRedis()
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer server.Stop()
+	broker := newRedigo(server.Addr)
+	defer broker.Close()
+	const queue, saves = "bench-nobody-reads-this", 2000
+	clients := map[string]*Client[Checkpoint]{
+		"on":  New[Checkpoint](Config{Broker: broker, Queue: queue}),
+		"off": New[Checkpoint](Config{Broker: broker, Queue: queue, RepublishWindow: -1}),
+	}
+	cp := benchCheckpoint("bench-session")
+	// Between turns, everything but the epoch and the mark goes: a FLUSHALL would be a loss
+	// the clients detect (and the window's would be republished).
+	keep := map[string]bool{clients["on"].keys.pendingEpoch(): true, clients["on"].keys.pendingMark(): true}
+	reset := func(b *testing.B) {
+		keys, err := redis.Strings(server.Do("KEYS", "*"))
+		if err != nil {
+			b.Fatal(err)
+		}
+		for _, key := range keys {
+			if !keep[key] {
+				if _, err := server.Do("DEL", key); err != nil {
+					b.Fatal(err)
+				}
+			}
+		}
+	}
+	p50s := map[string][]time.Duration{}
+	b.ResetTimer()
+	for round := 0; round < b.N; round++ {
+		order := []string{"on", "off"}
+		if round%2 == 1 {
+			order = []string{"off", "on"}
+		}
+		for _, way := range order {
+			took := make([]time.Duration, 0, saves)
+			for i := 0; i < saves; i++ {
+				start := time.Now()
+				if _, err := clients[way].Save(ctx, cp); err != nil {
+					b.Fatal(err)
+				}
+				took = append(took, time.Since(start))
+			}
+			p50s[way] = append(p50s[way], median(took))
+			b.StopTimer()
+			reset(b)
+			b.StartTimer()
+		}
+	}
+	b.StopTimer()
+	spread := func(d []time.Duration) string {
+		sorted := append([]time.Duration(nil), d...)
+		sort.Slice(sorted, func(i, j int) bool { return sorted[i] < sorted[j] })
+		return fmt.Sprintf("%.1f (%.1f-%.1f) µs", float64(median(d))/1e3, float64(sorted[0])/1e3, float64(sorted[len(sorted)-1])/1e3)
+	}
+	b.Logf("window on: %s; off: %s; kept at the end: %d requests, %d bytes; republished %d", spread(p50s["on"]),
+		spread(p50s["off"]), clients["on"].recent.len(), clients["on"].recent.bytes, clients["on"].Republished())
+	b.ReportMetric(float64(median(p50s["on"]))/1e3, "on-p50-µs")
+	b.ReportMetric(float64(median(p50s["off"]))/1e3, "off-p50-µs")
+	b.ReportMetric(float64(median(p50s["on"]))/float64(median(p50s["off"])), "on/off")
+}

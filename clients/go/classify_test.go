@@ -131,7 +131,7 @@ func TestWaitDurableRetriesATransientErrorUntilItsDeadline(t *testing.T) {
 
 func TestARedirectionClusterClientKeepsGettingSaysTheAdapterMustFollowIt(t *testing.T) {
 	store := &failingRedis{err: replyError("MOVED 3999 127.0.0.1:7001")}
-	noRecords := &replyingRedis{reply: []interface{}{nil, nil, nil, nil, nil}} // a broker with no pending record
+	noRecords := &replyingRedis{reply: []interface{}{nil, nil, nil, nil, nil, nil, nil, nil}} // a broker with no pending record
 	c := New[Checkpoint](Config{Broker: noRecords, Store: store, Cluster: true})
 	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 	defer cancel()
@@ -180,7 +180,10 @@ type replyingRedis struct {
 	reply interface{}
 }
 
-func (r *replyingRedis) Eval(context.Context, string, []string, ...interface{}) (interface{}, error) {
+func (r *replyingRedis) Eval(_ context.Context, script string, _ []string, _ ...interface{}) (interface{}, error) {
+	if script == identityScript || script == getScript {
+		return nil, nil // the store-identity check's reads (identity.go), not the caller's
+	}
 	r.calls.Add(1)
 	return r.reply, nil
 }

@@ -87,13 +87,52 @@ type Config struct {
 	// TraceHeaders, when set, gives each request the trace context of its ctx (W3C
 	// traceparent, tracestate, baggage), so the worker's span continues the caller's trace.
 	TraceHeaders TraceHeaders
+	// Encryption, when set (ParseKeyring of CHECKPOINTQ_ENCRYPTION_KEYS: the workers'
+	// keys), seals every save's value before it reaches the broker and sends it as a
+	// staged save (TaskSaveStaged), whose message holds no checkpoint; loads open values
+	// sealed under any of its keys. Unset: a load of a sealed value fails with
+	// ErrMissingKey naming the key id (docs/security.md).
+	Encryption *Keyring
+	// BrokerDurability (CHECKPOINTQ_BROKER_DURABILITY): when Save and Delete count as
+	// accepted. Local ("" or "local", the default): once the broker's primary has the
+	// request. Replicated ("replicated"): once BrokerReplicas replicas acknowledged it
+	// (WAIT on the publishing connection, in the same write: Broker must implement
+	// ReplicaWaiter); fewer within BrokerReplicationTimeout return ErrReplicationTimeout,
+	// the request queued on the primary all the same (docs/reliability.md).
+	BrokerDurability string
+	// BrokerReplicas (CHECKPOINTQ_BROKER_REPLICAS): replicas each request waits for with
+	// Replicated; default 1.
+	BrokerReplicas int
+	// BrokerReplicationTimeout (CHECKPOINTQ_BROKER_REPLICATION_TIMEOUT_MS): how long a
+	// request waits for them; default 1 s. PublishTimeout grows by it.
+	BrokerReplicationTimeout time.Duration
+	// RepublishWindow, RepublishRequests and RepublishBytes bound the recovery window
+	// (the Python producers' CHECKPOINTQ_REPUBLISH_SECONDS, _REQUESTS and _BYTES): the
+	// requests this client published in the last RepublishWindow (default 10 s), at most
+	// RepublishRequests of them (default 10,000) and RepublishBytes of messages and values
+	// (default 64 MiB), the oldest going first, are published again when it finds that the
+	// broker lost accepted requests (a crash inside its fsync window, a failover to a
+	// lagging replica: docs/reliability.md). A negative RepublishWindow or RepublishRequests
+	// keeps none.
+	RepublishWindow   time.Duration
+	RepublishRequests int
+	RepublishBytes    int
+	// Logf, when set, receives the client's log lines (a loss of accepted requests found on
+	// the broker, the republish that follows); default log.Printf.
+	Logf func(format string, args ...interface{})
 }
+
+// The broker durability modes (Config.BrokerDurability).
+const (
+	Local      = "local"
+	Replicated = "replicated"
+)
 
 // Handle names a request on its way: pass it to WaitDurable.
 type Handle struct {
 	// TaskID is the message's id (headers.id), the request's identity everywhere.
 	TaskID string
-	// Task is TaskSave or TaskDelete.
+	// Task is TaskSave, TaskSaveStaged (with Config.Encryption) or TaskDelete.
 	Task string
 	// SessionID is the session the request is for.
 	SessionID string
@@ -116,6 +155,10 @@ const (
 	// past it now (by more than TombstoneTTL): never stored, as its session would have
 	// expired by then.
 	Expired Outcome = "expired"
+	// Lost: the request's message was gone while its pending record stayed (a purge of
+	// the queue): the sweep settled it as lost and dead-lettered it (kind "lost"); it was
+	// never applied.
+	Lost Outcome = "lost"
 )
 
 // Result is WaitDurable's answer: the outcome and the fence it was read from.
@@ -138,8 +181,11 @@ type Client[C any] struct {
 	// oneRedis: the broker is the store, so a load reads record and store in one call.
 	oneRedis bool
 	// pg: the store is PostgreSQL (Config.Postgres); nil for a Redis store.
-	pg      *pgStore
-	epochs  epochs
+	pg     *pgStore
+	epochs epochs
+	recent *recentPublishes // the recovery window (recent.go)
+	// stores: this client's store against the one the workers write to (identity.go).
+	stores  storeCheck
 	clock   *seqClock
 	fields  checkpointFields
 	replyTo string
@@ -202,15 +248,35 @@ func New[C any](cfg Config) *Client[C] {
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
+	switch cfg.BrokerDurability {
+	case "", Local:
+		cfg.BrokerDurability = Local
+	case Replicated:
+		if _, ok := cfg.Broker.(ReplicaWaiter); !ok {
+			panic("checkpointq.New: BrokerDurability Replicated needs a Broker that implements ReplicaWaiter")
+		}
+		if cfg.BrokerReplicas <= 0 {
+			cfg.BrokerReplicas = 1
+		}
+		if cfg.BrokerReplicationTimeout <= 0 {
+			cfg.BrokerReplicationTimeout = time.Second
+		}
+		cfg.PublishTimeout += cfg.BrokerReplicationTimeout
+	default:
+		panic(fmt.Sprintf("checkpointq.New: BrokerDurability must be %q or %q, not %q", Local, Replicated, cfg.BrokerDurability))
+	}
 	replyTo, err := newUUID()
 	if err != nil {
 		panic(err)
 	}
-	return &Client[C]{
+	c := &Client[C]{
 		cfg: cfg, keys: keySpace{prefix: cfg.Prefix, cluster: cfg.Cluster}, oneRedis: oneRedis, pg: pg, clock: newSeqClock(cfg.Now),
+		recent:  newRecentPublishes(cfg.RepublishWindow, cfg.RepublishRequests, cfg.RepublishBytes),
 		fields:  fieldsOf(reflect.TypeOf((*C)(nil)).Elem()),
 		replyTo: replyTo, origin: origin(),
 	}
+	c.epochs.logf = c.logf
+	return c
 }
 
 // RequestOption adjusts one Save or Delete.
@@ -258,13 +324,22 @@ func (c *Client[C]) SaveAsync(ctx context.Context, cp *C, opts ...RequestOption)
 	if err != nil {
 		return Handle{}, err
 	}
-	args := make([]byte, 0, len(doc)+2)
-	args = append(append(append(args, '['), doc...), ']')
-	argsRepr := fmt.Sprintf("[<checkpoint %s v%d, %d bytes>]", pyQuote(head.SessionID), head.Version, len(doc))
 	h := Handle{
 		Task: TaskSave, SessionID: head.SessionID, Seq: seq,
 		Ref: fmt.Sprintf("session://%s/v%d", head.SessionID, head.Version),
 	}
+	if c.cfg.Encryption != nil {
+		// The message names the session only; its sealed value goes to the request's value
+		// key on the broker, in the same script call (docs/protocol.md, "Staged saves").
+		h.Task = TaskSaveStaged
+		sid, _ := json.Marshal(head.SessionID)
+		args := append(append([]byte{'['}, sid...), ']')
+		argsRepr := fmt.Sprintf("[<checkpoint %s v%d, staged %d bytes>]", pyQuote(head.SessionID), head.Version, len(save.Value))
+		return c.enqueue(ctx, h, protocolBody(args, seq), argsRepr, save.Value)
+	}
+	args := make([]byte, 0, len(doc)+2)
+	args = append(append(append(args, '['), doc...), ']')
+	argsRepr := fmt.Sprintf("[<checkpoint %s v%d, %d bytes>]", pyQuote(head.SessionID), head.Version, len(doc))
 	return c.enqueue(ctx, h, protocolBody(args, seq), argsRepr, save.Value)
 }
 
@@ -323,8 +398,19 @@ func (c *Client[C]) enqueue(ctx context.Context, h Handle, body []byte, argsRepr
 		return Handle{}, err
 	}
 	keys, args := c.publishCall(h, msg, token, value)
-	if err := c.publish(ctx, h, keys, args); err != nil {
+	lost, err := c.publish(ctx, h, keys, args)
+	if err != nil && !errors.Is(err, ErrReplicationTimeout) {
 		return Handle{}, err
+	}
+	// Kept in the recovery window (one only the primary acknowledged too); when the reply
+	// shows the broker lost accepted requests, the window (this request included) is
+	// published again.
+	c.recent.add(h, msg, value)
+	if lost {
+		c.recover(ctx)
+	}
+	if err != nil {
+		return h, err // queued on the primary: the handle can be waited on
 	}
 	return h, nil
 }
@@ -332,16 +418,19 @@ func (c *Client[C]) enqueue(ctx context.Context, h Handle, body []byte, argsRepr
 // publishCall is publishScript's KEYS and ARGV for h (its header says what each is), as
 // pending.py's push_call builds them (tests/go/test_publish_calls.py compares the two):
 // value is a save's stored value, nil for a delete; token the epoch should the broker
-// have none. ARGV[4], this producer's clock, is read again at each attempt (publish).
+// have none (its first markTokenChars characters: this publish's mark's token). ARGV[4],
+// this producer's clock, and ARGV[6..8], the epoch, mark and token it saw, are read again
+// at each attempt (publish).
 func (c *Client[C]) publishCall(h Handle, msg []byte, token string, value []byte) ([]string, []interface{}) {
 	op := opSave
 	if h.Task == TaskDelete {
 		op, value = opDelete, []byte{}
 	}
-	keys := []string{c.cfg.Queue, c.keys.pendingIndex(), c.keys.pendingEpoch(),
-		c.keys.pendingRequests(h.SessionID), c.keys.pendingValue(h.SessionID, h.TaskID)}
+	keys := []string{c.cfg.Queue, c.keys.pendingIndex(), c.keys.pendingEpoch(), c.keys.pendingMark(),
+		c.keys.pendingCounts(), c.keys.pendingRequests(h.SessionID), c.keys.pendingValue(h.SessionID, h.TaskID)}
+	seenEpoch, seenMark, seenToken := c.epochs.seen()
 	args := []interface{}{msg, c.cfg.SessionTTL.Milliseconds(), token, c.cfg.Now().UnixMicro(),
-		c.cfg.MaxSeqAhead.Microseconds(), h.SessionID, h.Seq, op, h.TaskID, value}
+		c.cfg.MaxSeqAhead.Microseconds(), seenEpoch, seenMark, seenToken, h.SessionID, h.Seq, op, h.TaskID, value}
 	return keys, args
 }
 
@@ -350,44 +439,74 @@ func (c *Client[C]) publishCall(h Handle, msg []byte, token string, value []byte
 // cannot change: the broker's refusal of the seq or of this producer's clock
 // (ErrSeqRefused), or a *RedisError, at once. A push that failed after all may still have
 // landed, so one request can arrive twice: harmless, since requests are fenced, and its
-// entry is keyed by its request id.
-func (c *Client[C]) publish(ctx context.Context, h Handle, keys []string, args []interface{}) error {
+// entry is keyed by its request id. It returns whether the reply showed that the broker
+// lost accepted requests (a loss not counted before: then publish the window again).
+func (c *Client[C]) publish(ctx context.Context, h Handle, keys []string, args []interface{}) (bool, error) {
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.PublishTimeout)
 	defer cancel()
 	wait := 50 * time.Millisecond
 	for attempt := 1; ; attempt++ {
 		args[3] = c.cfg.Now().UnixMicro()
-		reply, err := c.cfg.Broker.Eval(ctx, publishScript, keys, args...)
+		args[5], args[6], args[7] = c.epochs.seen()
+		floor := c.epochs.floor()
+		reply, acked, err := c.eval(ctx, keys, args)
 		if err == nil {
-			if epoch, err := replyText(reply); err == nil {
-				c.epochs.observe(epoch)
+			lost := false
+			if items, err := replyList(reply, 3); err == nil {
+				epoch, err1 := replyText(items[0])
+				mark, _, err2 := replyInt(items[1])
+				found, _, err3 := replyInt(items[2])
+				if err1 == nil && err2 == nil && err3 == nil {
+					token, _ := args[2].(string)
+					if len(token) > markTokenChars {
+						token = token[:markTokenChars]
+					}
+					lost = c.epochs.observeMark(epoch, mark, floor.mark+1, found == 1, token, nil)
+				}
 			}
-			return nil
+			if c.cfg.BrokerDurability == Replicated && acked < int64(c.cfg.BrokerReplicas) {
+				return lost, fmt.Errorf("%w: %s for session %q (seq %d) was accepted by the broker's primary, but only %d of %d "+
+					"replica(s) acknowledged it within %s: it is queued and may still apply, but a failover now could lose it; "+
+					"retrying is safe (requests are fenced), or WaitDurable on its handle",
+					ErrReplicationTimeout, h.Task, h.SessionID, h.Seq, acked, c.cfg.BrokerReplicas, c.cfg.BrokerReplicationTimeout)
+			}
+			return lost, nil
 		}
 		if code, text := replyCode(err); code == seqRefused {
-			return fmt.Errorf("%w: %s for session %q (seq %d) not published: %s",
+			return false, fmt.Errorf("%w: %s for session %q (seq %d) not published: %s",
 				ErrSeqRefused, h.Task, h.SessionID, h.Seq, strings.TrimSpace(strings.TrimPrefix(text, seqRefused)))
 		}
 		op := fmt.Sprintf("the publish of %s for session %q to queue %q", h.Task, h.SessionID, c.cfg.Queue)
 		if refused := c.permanent("broker", op, err); refused != nil {
-			return refused
+			return false, refused
 		}
 		fail := func(cause error) error {
 			return fmt.Errorf("%w: %s for session %q not published to queue %q (%d attempt(s) within %s): %v",
 				ErrBrokerUnavailable, h.Task, h.SessionID, c.cfg.Queue, attempt, c.cfg.PublishTimeout, cause)
 		}
 		if ctx.Err() != nil {
-			return fail(err)
+			return false, fail(err)
 		}
 		select {
 		case <-time.After(wait):
 		case <-ctx.Done():
-			return fail(err)
+			return false, fail(err)
 		}
 		if wait *= 2; wait > time.Second {
 			wait = time.Second
 		}
 	}
+}
+
+// eval runs publishScript; with Replicated, WAIT goes behind it on the same connection
+// (ReplicaWaiter) and acked is its reply.
+func (c *Client[C]) eval(ctx context.Context, keys []string, args []interface{}) (interface{}, int64, error) {
+	if c.cfg.BrokerDurability != Replicated {
+		reply, err := c.cfg.Broker.Eval(ctx, publishScript, keys, args...)
+		return reply, 0, err
+	}
+	return c.cfg.Broker.(ReplicaWaiter).EvalWait(ctx, c.cfg.BrokerReplicas, c.cfg.BrokerReplicationTimeout,
+		publishScript, keys, args...)
 }
 
 // seqRefused starts publish.lua's refusals (the rest of the error says why).
@@ -422,8 +541,11 @@ func (c *Client[C]) LoadWithSeq(ctx context.Context, sessionID string) (*C, int6
 	}
 	ctx, cancel := c.readContext(ctx)
 	defer cancel()
-	read, err := c.readSession(ctx, sessionID)
+	read, err := c.readSession(ctx, sessionID, true)
 	if err != nil {
+		return nil, 0, err
+	}
+	if err := c.checkStore(ctx); err != nil {
 		return nil, 0, err
 	}
 	var seq int64
@@ -439,6 +561,10 @@ func (c *Client[C]) LoadWithSeq(ctx context.Context, sessionID string) (*C, int6
 	}
 	if !found {
 		return nil, seq, nil
+	}
+	value, err = c.cfg.Encryption.unseal(sessionID, value)
+	if err != nil {
+		return nil, seq, err
 	}
 	doc, err := decodeValue(value)
 	if err != nil {
@@ -464,32 +590,40 @@ type sessionRead struct {
 // (store): read_pending.lua's mode "store" in one call when the broker is the store, else
 // its mode "one" on the broker, then loadScript on the store (one statement on a
 // PostgreSQL store), never the other order.
-func (c *Client[C]) readSession(ctx context.Context, sessionID string) (sessionRead, error) {
+//
+// A read that finds the broker lost accepted requests publishes the recovery window again,
+// then (again) reads once more, to serve what was republished.
+func (c *Client[C]) readSession(ctx context.Context, sessionID string, again bool) (sessionRead, error) {
 	op := fmt.Sprintf("the load of session %q", sessionID)
-	entries := []string{c.keys.pendingRequests(sessionID), c.keys.pendingEpoch(), c.keys.pending(sessionID)}
+	entries := []string{c.keys.pendingRequests(sessionID), c.keys.pendingEpoch(), c.keys.pending(sessionID),
+		c.keys.pendingMark(), c.keys.pendingIndex(), c.keys.pendingCounts()}
 	storeKeys := []string{c.keys.data(sessionID), c.keys.fence(sessionID)}
-	args := []interface{}{"one", c.keys.pendingValuePrefix(sessionID), c.cfg.SessionTTL.Milliseconds()}
+	floor := c.epochs.floor()
+	args := []interface{}{"one", c.keys.pendingValuePrefix(sessionID), c.cfg.SessionTTL.Milliseconds(), sessionID,
+		floor.mark, floor.token}
 	var items, stored []interface{}
 	lapseAt := int64(-1) // the store read's time (ms), when it was a call of its own
+	var mark, forked, markToken interface{}
 	if c.oneRedis {
 		args[0] = "store"
 		reply, err := c.cfg.Store.Eval(ctx, readPendingScript, append(entries, storeKeys...), args...)
 		if err != nil {
 			return sessionRead{}, c.readError(op, err)
 		}
-		if items, err = replyList(reply, 10); err != nil {
+		if items, err = replyList(reply, 13); err != nil {
 			return sessionRead{}, fmt.Errorf("%w: load %q: %v", ErrStoreUnavailable, sessionID, err)
 		}
 		// {value, seq, deleted, req, deadline}, as loadScript answers
-		items, stored = items[:5], items[5:]
+		items, stored, mark, forked, markToken = items[:5], items[5:10], items[10], items[11], items[12]
 	} else {
 		reply, err := c.cfg.Broker.Eval(ctx, readPendingScript, entries, args...)
 		if err != nil {
 			return sessionRead{}, c.brokerReadError(op, err)
 		}
-		if items, err = replyList(reply, 5); err != nil {
+		if items, err = replyList(reply, 8); err != nil {
 			return sessionRead{}, fmt.Errorf("%w: load %q: %v", ErrBrokerUnavailable, sessionID, err)
 		}
+		mark, forked, markToken = items[5], items[6], items[7]
 		if c.pg != nil {
 			if stored, err = c.pg.loadSession(ctx, sessionID); err != nil {
 				return sessionRead{}, c.readError(op, err)
@@ -509,7 +643,26 @@ func (c *Client[C]) readSession(ctx context.Context, sessionID string) (sessionR
 	if err != nil {
 		return sessionRead{}, fmt.Errorf("%w: the pending epoch: %v", ErrCorrupt, err)
 	}
-	c.epochs.observe(epoch)
+	seen, found, err := replyInt(mark)
+	if err != nil {
+		return sessionRead{}, fmt.Errorf("%w: the pending mark: %v", ErrCorrupt, err)
+	} else if !found {
+		seen = -1
+	}
+	var sent *seenMark
+	if f, _, _ := replyInt(forked); f == 1 {
+		sent = &floor
+	}
+	token, _ := replyText(markToken)
+	if c.epochs.observeMark(epoch, seen, floor.mark, false, token, sent) && c.recover(ctx) > 0 && again {
+		return c.readSession(ctx, sessionID, false) // with what was republished
+	}
+	if op, _ := replyText(items[1]); op == opMissing {
+		return sessionRead{}, fmt.Errorf("%w: load %q: the pending record of a request still queued for "+
+			"the session is missing on the broker (deleted by hand, or evicted), so the store alone "+
+			"could serve an older turn; loads refuse until a worker applies the queued request, or "+
+			"its deadline passes", ErrBrokerUnavailable, sessionID)
+	}
 	var read sessionRead
 	if read.fence, err = parseFence(stored[1:]); err != nil {
 		return sessionRead{}, fmt.Errorf("%w: fence of %q: %v", ErrCorrupt, sessionID, err)
@@ -541,8 +694,13 @@ func (c *Client[C]) readSession(ctx context.Context, sessionID string) (sessionR
 func (c *Client[C]) List(ctx context.Context) ([]string, error) {
 	ctx, cancel := c.readContext(ctx)
 	defer cancel()
-	now := c.cfg.Now().UnixMilli()
 	const op = "the listing of sessions"
+	// The store's clock, as loads judge deadlines (load.lua's time): a replica whose own
+	// clock runs ahead would otherwise list none of the sessions its loads return.
+	now, err := c.storeNow(ctx)
+	if err != nil {
+		return nil, c.readError(op, err)
+	}
 	pending, err := c.pendingSessions(ctx, now) // first, as for a load
 	if errors.Is(err, ErrCorrupt) {
 		return nil, err
@@ -572,7 +730,38 @@ func (c *Client[C]) List(ctx context.Context) ([]string, error) {
 		ids = append(ids, id)
 	}
 	sort.Strings(ids)
+	if err := c.checkStore(ctx); err != nil {
+		return nil, err
+	}
 	return ids, nil
+}
+
+// timeScript is the server's time in ms, as load.lua reads it.
+const timeScript = `local t = redis.call('TIME')
+return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)`
+
+// storeNow is the store's time in ms: the Redis server's (on a cluster, the node serving
+// the first slot index's), or the PostgreSQL server's.
+func (c *Client[C]) storeNow(ctx context.Context) (int64, error) {
+	if c.pg != nil {
+		var now int64
+		err := c.pg.db.QueryRowContext(ctx,
+			"SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint").Scan(&now)
+		return now, err
+	}
+	key := c.keys.index()
+	if c.keys.cluster {
+		key = c.keys.slotIndex(0)
+	}
+	reply, err := c.cfg.Store.Eval(ctx, timeScript, []string{key})
+	if err != nil {
+		return 0, err
+	}
+	now, ok := reply.(int64)
+	if !ok {
+		return 0, fmt.Errorf("unexpected reply %T to the time script", reply)
+	}
+	return now, nil
 }
 
 // listIndex adds to seen the ids of the single-Redis deadline index whose deadline is
@@ -647,6 +836,9 @@ func (c *Client[C]) WaitDurable(ctx context.Context, h Handle) (Result, error) {
 	for {
 		items, err := c.readOutcome(ctx, h)
 		if err == nil {
+			if err := c.checkStore(ctx); err != nil {
+				return Result{}, err
+			}
 			res, done, err := c.decide(h, items)
 			if done {
 				return res, err // applied, superseded, expired, or refused (a *RefusedError)

@@ -32,7 +32,7 @@ func (c *captureRedis) Eval(_ context.Context, script string, _ []string, args .
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.pushed = append(c.pushed, append([]byte(nil), args[0].([]byte)...))
-	return "capture-epoch", nil
+	return []interface{}{"capture-epoch", int64(1), int64(0)}, nil
 }
 
 func (c *captureRedis) ZScan(context.Context, string, uint64, int64) ([]string, uint64, error) {

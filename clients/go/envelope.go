@@ -12,6 +12,9 @@ import (
 const (
 	TaskSave   = "checkpoint.save"
 	TaskDelete = "checkpoint.delete"
+	// TaskSaveStaged is an encrypted save (Config.Encryption): the message names the
+	// session, and the workers read its sealed value from the broker.
+	TaskSaveStaged = "checkpoint.save_staged"
 )
 
 // embed is the third part of a protocol 2 body, as Celery's send_task writes it.

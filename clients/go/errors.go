@@ -36,8 +36,19 @@ var (
 	// pending entry or refusal record does not read as the workers and producers write it
 	// (a pending save whose value is gone before its deadline among them).
 	ErrCorrupt = errors.New("checkpointq: corrupt stored checkpoint")
+	// ErrMissingKey: a stored value is encrypted under a key Config.Encryption lacks (or
+	// the client has no keys); the error names the key id. The value is intact: a client
+	// given that key reads it.
+	ErrMissingKey = errors.New("checkpointq: missing encryption key")
 	// ErrRefused: the worker dead-lettered the request (see RefusedError for why).
 	ErrRefused = errors.New("checkpointq: request refused by the worker")
+	// ErrReplicationTimeout: Config.BrokerDurability is Replicated and the broker's primary
+	// took the request (queued, its pending entry written: it may still apply), but fewer
+	// than Config.BrokerReplicas replicas acknowledged it within
+	// Config.BrokerReplicationTimeout (WAIT), so a failover now could lose it. Retrying is
+	// harmless (requests are fenced): save again, or WaitDurable on the Handle returned
+	// beside this error. Not retried inside the call.
+	ErrReplicationTimeout = errors.New("checkpointq: not acknowledged by enough broker replicas")
 	// ErrMisconfigured: the broker or the store answered with an error reply that retrying
 	// will not change (a *RedisError says which and what to do), so the call failed at once
 	// instead of retrying until its timeout. Almost always configuration: a cluster store

@@ -66,6 +66,8 @@ func (k keySpace) pendingValue(sessionID, requestID string) string {
 func (k keySpace) pending(sessionID string) string { return k.internal() + ":pending:" + sessionID }
 func (k keySpace) pendingIndex() string            { return k.internal() + ":pending" }
 func (k keySpace) pendingEpoch() string            { return k.internal() + ":pending-epoch" }
+func (k keySpace) pendingMark() string             { return k.internal() + ":pending-mark" }
+func (k keySpace) pendingCounts() string           { return k.internal() + ":pending-counts" }
 
 func (k keySpace) fence(sessionID string) string { return k.sessionKey("fence", sessionID) }
 

@@ -133,7 +133,7 @@ func (c *Client[C]) readOutcome(ctx context.Context, h Handle) ([]interface{}, e
 // decide reads readOutcome's items, the fence first (outcomes.decide): done is true once
 // h's outcome is known (err is then nil or a *RefusedError); an err without done is a
 // reply it cannot read. The fence is the session's own, so it decides before a refusal
-// record: h is applied when the fence names it (expired when that fence is a lapsed
+// record: h is applied when the fence names it by its whole stamp, id, seq and kind (expired when that fence is a lapsed
 // save's), superseded when the fence holds a request ordered after it, expired when its
 // deadline is certainly past; only then does its refusal record say it was refused.
 func (c *Client[C]) decide(h Handle, items []interface{}) (res Result, done bool, err error) {
@@ -150,8 +150,10 @@ func (c *Client[C]) decide(h Handle, items []interface{}) (res Result, done bool
 		if c.lapsed(h) {
 			res.Outcome = Expired
 		}
-	case f.req == h.TaskID, f.req == "" && f.seq == h.Seq:
-		// (Workers that do not record the winner: the fence at this request's own seq.)
+	case (f.req == h.TaskID || f.req == "") && f.seq == h.Seq && (f.kind == fenceDelete) == (h.Task == TaskDelete):
+		// The fence is h's only when its whole stamp is: a request id alone may be another
+		// request's (a faulty producer reusing it, issue 44). (Workers that do not record
+		// the winner: the fence at this request's own stamp.)
 		res.Outcome = Applied
 		if f.kind == fenceLapsed {
 			res.Outcome = Expired
@@ -179,6 +181,10 @@ func (c *Client[C]) decide(h Handle, items []interface{}) (res Result, done bool
 		// Another request of the session under the same id (a faulty producer reusing it):
 		// not this one's refusal.
 		return res, false, nil
+	}
+	if refusal.Kind == string(Lost) {
+		res.Outcome = Lost // settled as lost by the sweep (tasks/orphans.py): never applied
+		return res, true, nil
 	}
 	return res, true, &RefusedError{Handle: h, Kind: refusal.Kind, Reason: refusal.Reason, Entry: refusal.Entry}
 }

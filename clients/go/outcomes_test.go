@@ -84,19 +84,7 @@ func appliedThenSuperseded(t *testing.T, c *Client[Checkpoint]) {
 	t.Helper()
 	ctx := background(t)
 	id := sessionID(t, "s")
-	older, err := c.SaveAsync(ctx, sampleCheckpoint(id, 1))
-	if err != nil {
-		t.Fatal(err)
-	}
-	newer, err := c.SaveAsync(ctx, sampleCheckpoint(id, 2))
-	if err != nil {
-		t.Fatal(err)
-	}
-	res := mustWait(t, c, newer, Applied)
-	if res.FenceSeq != newer.Seq {
-		t.Fatalf("fence at %d, want the newer save's %d", res.FenceSeq, newer.Seq)
-	}
-	mustWait(t, c, older, Superseded)
+	_, newer := savedTwice(t, c, id)
 	del, err := c.DeleteAsync(ctx, id)
 	if err != nil {
 		t.Fatal(err)
@@ -105,6 +93,26 @@ func appliedThenSuperseded(t *testing.T, c *Client[Checkpoint]) {
 		t.Fatalf("delete applied but fence says %+v", res)
 	}
 	mustWait(t, c, newer, Superseded)
+}
+
+// savedTwice saves session id twice and checks that the newer save is applied (the fence
+// at its seq) and the older superseded.
+func savedTwice(t *testing.T, c *Client[Checkpoint], id string) (older, newer Handle) {
+	t.Helper()
+	ctx := background(t)
+	older, err := c.SaveAsync(ctx, sampleCheckpoint(id, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if newer, err = c.SaveAsync(ctx, sampleCheckpoint(id, 2)); err != nil {
+		t.Fatal(err)
+	}
+	res := mustWait(t, c, newer, Applied)
+	if res.FenceSeq != newer.Seq {
+		t.Fatalf("fence at %d, want the newer save's %d", res.FenceSeq, newer.Seq)
+	}
+	mustWait(t, c, older, Superseded)
+	return older, newer
 }
 
 func TestWaitDurableIsBoundedWhenNobodyApplies(t *testing.T) {
@@ -275,6 +283,11 @@ func TestWaitDurableDecidesByTheFenceFirstInTheFullOrder(t *testing.T) {
 		{"a lapsed save stamped alike ranks as a save", del, fence(seq, "2", "z"), nil, "", false},
 		{"a save stamped alike, for a delete", del, fence(seq, "0", "z"), nil, "", false},
 		{"another delete stamped alike, ordered after", del, fence(seq, "1", "z"), nil, Superseded, false},
+		{"its id reused by a request ordered after", save, fence(seq+1, "0", "m"), nil, Superseded, false},
+		{"its id reused by a request ordered before", save, fence(seq-1, "0", "m"), nil, "", false},
+		{"its id reused by a delete stamped alike", save, fence(seq, "1", "m"), nil, Superseded, false},
+		{"a delete, its id reused by a save stamped alike", del, fence(seq, "0", "m"), nil, "", false},
+		{"a delete the fence names", del, fence(seq, "1", "m"), nil, Applied, false},
 		{"no fence", save, nil, nil, "", false},
 		{"no fence, past its deadline and the margin", old, nil, nil, Expired, false},
 		{"an older fence, past its deadline and the margin", old, fence(old.Seq-1, "0", "a"), nil, Expired, false},
@@ -284,6 +297,7 @@ func TestWaitDurableDecidesByTheFenceFirstInTheFullOrder(t *testing.T) {
 		{"no fence, a refusal record of its seq", save, nil, fmt.Sprintf(`{"kind":"invalid_input","reason":"bad","entry":"1-0","seq":%d}`, seq), "", true},
 		{"no fence, a refusal record of another request under its id", save, nil, fmt.Sprintf(`{"kind":"invalid_input","reason":"bad","entry":"1-0","seq":%d}`, seq+7), "", false},
 		{"a fence ordered after, and a refusal record", save, fence(seq+1, "0", "a"), refusal, Superseded, false},
+		{"no fence, its record settled as lost (a purge)", save, nil, fmt.Sprintf(`{"kind":"lost","reason":"gone","entry":"1-0","seq":%d}`, seq), Lost, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := New[Checkpoint](Config{Broker: &failingRedis{}, Now: func() time.Time { return now }})
@@ -303,4 +317,33 @@ func TestWaitDurableDecidesByTheFenceFirstInTheFullOrder(t *testing.T) {
 			}
 		})
 	}
+}
+
+// Issue 44: a request whose id a later request reuses (a faulty producer, here a raw
+// envelope as any language may push) stays superseded: the fence names the id, but not
+// the request's stamp.
+func TestWaitDurableTellsARequestFromAnotherUnderItsID(t *testing.T) {
+	c := newClient[Checkpoint](t, Config{})
+	held := &captureRedis{}
+	reuser := newClient[Checkpoint](t, Config{Broker: held})
+	ctx := background(t)
+	id := sessionID(t, "reused")
+	older, newer := savedTwice(t, c, id)
+	// When a later save goes out under the superseded request's id
+	later, err := reuser.SaveAsync(ctx, sampleCheckpoint(id, 3))
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg := strings.ReplaceAll(string(held.messages()[0]), later.TaskID, older.TaskID)
+	if _, err := env.broker.Do("LPUSH", "checkpoints", msg); err != nil {
+		t.Fatal(err)
+	}
+	reused := later
+	reused.TaskID = older.TaskID
+	if res := mustWait(t, c, reused, Applied); res.Winner != older.TaskID {
+		t.Fatalf("the reused id's save: %+v", res)
+	}
+	// Then the older request is still superseded, and so is the newer one
+	mustWait(t, c, older, Superseded)
+	mustWait(t, c, newer, Superseded)
 }

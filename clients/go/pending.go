@@ -40,11 +40,13 @@ var readPendingScript string
 //go:embed lua/hmget_each.lua
 var hmgetEachScript string
 
-// Entry ops: publish.lua's, and read_pending.lua's "lapsed" for a save past its deadline.
+// Entry ops: publish.lua's, read_pending.lua's "lapsed" for a save past its deadline, and
+// its "missing" for a session the pending index holds whose entries are gone.
 const (
-	opSave   = "save"
-	opDelete = "delete"
-	opLapsed = "lapsed"
+	opSave    = "save"
+	opDelete  = "delete"
+	opLapsed  = "lapsed"
+	opMissing = "missing"
 )
 
 // pendingRecord is a session's newest pending request as read from the broker.
@@ -103,37 +105,141 @@ func (r pendingRecord) wins(f fence) bool {
 	return r.found && (!f.found || r.key().after(f.key()))
 }
 
-// epochs follows the broker's pending epoch. A token other than the last one seen (or
-// none, where one was seen) means the broker lost its data, records and queue alike: the
-// loads that follow read the store alone, which is all there is. Counted once per loss.
+// epochs follows the broker's pending epoch and mark (pending.py's EpochWatch). A token
+// other than the last one seen (or none, where one was seen) means the broker lost data,
+// all of it or a suffix a producer found missing; a publish's mark below the highest seen
+// in the epoch, or that mark held by another publish (publish.lua's ring of tokens: the
+// broker lost it, and unaware publishes brought the counter back up), means it went back
+// in time (a crash inside its fsync window, a failover to a lagging replica), and this
+// client's next publish reports it (the epoch turns, for every client to see). The loads
+// that follow read what is left. Counted once per loss.
 type epochs struct {
-	mu      sync.Mutex
-	last    string // "" before the first one seen; lostEpoch after a loss, until the next
-	changes atomic.Int64
+	mu         sync.Mutex
+	last       string   // "" before the first one seen; lostEpoch after a loss, until the next
+	mark       seenMark // the highest mark seen in the epoch, with its token
+	unreported seenMark // a mark seen before the broker lost it, not yet reported
+	changes    atomic.Int64
+	logf       func(format string, args ...interface{}) // each loss is logged once; nil: not
 }
+
+// seenMark is a mark a client saw and its token ("" unknown): pending.py's Seen.
+type seenMark struct {
+	mark  int64
+	token string
+}
+
+// markTokenChars is how much of a publish's ARGV[3] the broker keeps as its mark's token.
+const markTokenChars = 16
 
 const lostEpoch = "\x00lost"
 
-func (e *epochs) observe(epoch string) {
+func (e *epochs) observe(epoch string) bool { return e.observeMark(epoch, -1, 0, false, "", nil) }
+
+// seen is the epoch, the highest mark and its token to send with a publish (publish.lua's
+// ARGV[6..8]): with a loss this client found and did not report yet, the mark and token it
+// saw before it, for the script to find the loss again.
+func (e *epochs) seen() (string, int64, string) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	epoch := e.last
+	if epoch == lostEpoch {
+		epoch = ""
+	}
+	m := e.mark
+	if e.unreported.mark > 0 {
+		m = e.unreported
+	}
+	return epoch, m.mark, m.token
+}
+
+// floor is the highest mark seen in the epoch since the last loss, and its token: a reply
+// to a request sent now showing a lower mark, or that mark with another token, is a new
+// loss.
+func (e *epochs) floor() seenMark {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.mark
+}
+
+// observeMark takes a reply's epoch and mark (-1: none). A mark under below shows the
+// broker went back in time (below: the floor when the request went out, plus one for a
+// publish, which advances it; replies of concurrent requests come back in any order).
+// found: that publish found the loss itself and turned the epoch. token: the mark's token
+// ("" unknown). forked: the mark and token the request sent, when the reply says the
+// broker holds that mark with another token (read_pending.lua): a loss, as a lower mark
+// is. It returns whether the reply shows a loss not counted before (then publish the
+// recovery window again).
+func (e *epochs) observeMark(epoch string, mark, below int64, found bool, token string, forked *seenMark) bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	switch {
 	case epoch == e.last:
+		if mark < 0 {
+			return false
+		}
+		if forked == nil && mark >= below {
+			if mark > e.mark.mark || (mark == e.mark.mark && e.mark.token == "") {
+				e.mark = seenMark{mark, token}
+			}
+			return false
+		}
+		if forked != nil && e.unreported.mark > 0 {
+			return false // found already, not reported yet
+		}
+		// Below a mark this client saw in this epoch, or that mark with another token: the
+		// broker went back in time.
+		lost, why := e.mark, fmt.Sprintf("below %d seen before", below)
+		if forked != nil {
+			lost, why = *forked, fmt.Sprintf("and mark %d seen before holds another publish", forked.mark)
+		}
+		if lost.mark > e.unreported.mark {
+			e.unreported = lost
+		}
+		e.mark = seenMark{mark, token}
+		e.changes.Add(1)
+		e.log("checkpointq: the broker went back in time: pending mark %d, %s (a crash or failover "+
+			"lost a suffix of accepted requests); see docs/reliability.md", mark, why)
+		return true
 	case e.last == "" || e.last == lostEpoch:
 		if epoch != "" {
-			e.last = epoch
+			e.last, e.mark = epoch, seenMark{max64(mark, 0), token}
 		}
-	case epoch == "":
-		e.changes.Add(1)
-		e.last = lostEpoch
+		return false
 	default:
+		// Turned by the report of the loss this client found (its own, or another
+		// client's first): counted already.
+		counted := e.unreported.mark > 0
+		e.last, e.mark, e.unreported = epoch, seenMark{max64(mark, 0), token}, seenMark{}
+		what := "changed"
+		if epoch == "" {
+			e.last, what = lostEpoch, "gone"
+		}
+		if counted {
+			return false
+		}
 		e.changes.Add(1)
-		e.last = epoch
+		e.log("checkpointq: the broker lost accepted requests (pending epoch %s): requests "+
+			"published before it may never be applied; see docs/reliability.md", what)
+		return true
+	}
+}
+
+func max64(a, b int64) int64 {
+	if a > b {
+		return a
+	}
+	return b
+}
+
+func (e *epochs) log(format string, args ...interface{}) {
+	if e.logf != nil {
+		e.logf(format, args...)
 	}
 }
 
 // EpochChanges counts the times this client found that the broker had lost its pending
-// records (a restart without persistence): the Python clients' metric
+// records (a restart without persistence) or a suffix of them (a crash or a failover that
+// went back in time): the Python clients' metric
 // checkpointq_pending_epoch_changes_total. Loads then fall back to the store, which holds
 // every request the workers applied; requests the lost queue held are lost with it.
 func (c *Client[C]) EpochChanges() int64 { return c.epochs.changes.Load() }

@@ -11,8 +11,9 @@ import (
 )
 
 // A store in PostgreSQL (a postgresql:// CHECKPOINTQ_STORE_URL; store/postgres.py and its
-// schema, store/sql/v1.sql): one row per session in {schema}.sessions holds the value, the
-// Go store's bytes as a Redis store holds them, and the session's fence. The client reads
+// schema, store/sql/v1.sql and v2.sql): one row per session in {schema}.sessions, keyed by
+// session_key = {schema}.session_key(session_id) (the id, or a digest of a long one), holds
+// the value, the Go store's bytes as a Redis store holds them, and the session's fence. The client reads
 // it through database/sql with whichever PostgreSQL driver the application registered
 // (lib/pq, pgx's stdlib), one statement per read, and judges every deadline by the
 // database's clock ({schema}.now_ms()), as the workers do. The pending records stay on the
@@ -47,11 +48,11 @@ func newPGStore(db *sql.DB, schema string) *pgStore {
 		db: db,
 		load: "SELECT " + s + ".now_ms(), t.value, t.value_deadline_ms, t.fence_seq, t.fence_deleted, " +
 			"t.fence_request_id, t.fence_lapsed, t.fence_expires_ms FROM (SELECT 1) AS one " +
-			"LEFT JOIN " + s + ".sessions AS t ON t.session_id = decode($1, 'hex')",
+			"LEFT JOIN " + s + ".sessions AS t ON t.session_key = " + s + ".session_key(decode($1, 'hex'))",
 		fences: "WITH now AS (SELECT " + s + ".now_ms() AS ms) SELECT now.ms, t.session_id, t.fence_seq, " +
 			"t.fence_deleted, t.fence_request_id, t.fence_lapsed, t.fence_expires_ms, " +
 			"t.value IS NOT NULL AND t.value_deadline_ms > now.ms FROM now, " + s + ".sessions AS t " +
-			"WHERE t.session_id = ANY(ARRAY(SELECT decode(h, 'hex') FROM unnest($1::text[]) AS h))",
+			"WHERE t.session_key = ANY(ARRAY(SELECT " + s + ".session_key(decode(h, 'hex')) FROM unnest($1::text[]) AS h))",
 		live: "SELECT session_id FROM " + s + ".sessions WHERE value IS NOT NULL " +
 			"AND value_deadline_ms > (SELECT " + s + ".now_ms())",
 	}

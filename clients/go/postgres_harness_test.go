@@ -221,7 +221,7 @@ func storedPG(t *testing.T, c *Client[Checkpoint], id string) *Checkpoint {
 	t.Helper()
 	var value []byte
 	err := c.cfg.Postgres.QueryRowContext(context.Background(),
-		"SELECT value FROM "+c.cfg.PostgresSchema+".sessions WHERE session_id = $1 AND value IS NOT NULL "+
+		"SELECT value FROM "+c.cfg.PostgresSchema+".sessions WHERE session_key = "+c.cfg.PostgresSchema+".session_key($1) AND value IS NOT NULL "+
 			"AND value_deadline_ms > "+c.cfg.PostgresSchema+".now_ms()", []byte(id)).Scan(&value)
 	if err == sql.ErrNoRows {
 		return nil

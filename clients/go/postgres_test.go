@@ -87,8 +87,8 @@ func TestAPostgresStoreListsOnlyLiveRows(t *testing.T) {
 	}
 	value := save.Value
 	now := time.Now().UnixMilli()
-	insert := "INSERT INTO " + schema + ".sessions (session_id, value, value_deadline_ms, fence_seq, " +
-		"fence_deleted, fence_request_id, fence_expires_ms) VALUES ($1, $2, $3, $4, $5, 'r', $6)"
+	insert := "INSERT INTO " + schema + ".sessions (session_key, session_id, value, value_deadline_ms, " +
+		"fence_seq, fence_deleted, fence_request_id, fence_expires_ms) VALUES (" + schema + ".session_key($1), $1, $2, $3, $4, $5, 'r', $6)"
 	for _, row := range []struct {
 		id       string
 		value    []byte
@@ -112,6 +112,34 @@ func TestAPostgresStoreListsOnlyLiveRows(t *testing.T) {
 		if got, seq := mustLoad(t, c, id); got != nil || seq != now*1000 {
 			t.Fatalf("Load(%q) = %+v at seq %d; want nil at the fence's seq", id, got, seq)
 		}
+	}
+}
+
+func TestAPostgresStoreKeepsASessionIDLongerThanAnIndexEntry(t *testing.T) {
+	// Given a session id of 6,000 bytes, which a Redis store keeps (a btree entry holds
+	// about 2,700: the database keys a long id by its sha256)
+	ctx := background(t)
+	c := newPGClient[Checkpoint](t, Config{})
+	id := sessionID(t, strings.Repeat("long", 1500))
+	cp := sampleCheckpoint(id, 3, "hello")
+	save, err := c.SaveAsync(ctx, cp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// When the worker applies it, Then it is durable, stored, loaded and listed
+	deliver(t, c)
+	if res, err := c.WaitDurable(ctx, save); err != nil || res.Outcome != Applied {
+		t.Fatalf("WaitDurable = %+v, %v", res, err)
+	}
+	if kept := storedPG(t, c, id); kept == nil || normalise(kept) != normalise(cp) {
+		t.Fatalf("stored %+v, want %+v", kept, cp)
+	}
+	waitSettled(t, pgDeploymentFor(t).broker, id)
+	if got, seq := mustLoad(t, c, id); got == nil || normalise(got) != normalise(cp) || seq != save.Seq {
+		t.Fatalf("Load = %+v at seq %d", got, seq)
+	}
+	if !mustList(t, c)[id] {
+		t.Fatal("List lacks the session")
 	}
 }
 
@@ -158,5 +186,19 @@ func TestNewRefusesAPostgresStoreBesideARedisOneOrABadSchema(t *testing.T) {
 			}()
 			New[Checkpoint](cfg)
 		})
+	}
+}
+
+func TestAPostgresClientAgreesWithItsWorkersStore(t *testing.T) {
+	// Given the PostgreSQL deployment's worker, once it announced its store on the broker
+	said := announcedStore(t, pgDeploymentFor(t).broker)
+	// When a client on the same database loads
+	c := newPGClient[Checkpoint](t, Config{})
+	if _, err := c.Load(background(t), sessionID(t, "s")); err != nil {
+		t.Fatal(err)
+	}
+	// Then it read the identity the worker announced, and agrees
+	if !c.stores.agreed {
+		t.Fatalf("the client does not agree with the workers' store %+v", said)
 	}
 }

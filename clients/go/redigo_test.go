@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha1"
 	"encoding/hex"
+	"fmt"
 	"strings"
 	"time"
 
@@ -57,13 +58,7 @@ func (r *redigoRedis) do(ctx context.Context, cmd string, args ...interface{}) (
 }
 
 func (r *redigoRedis) Eval(ctx context.Context, script string, keys []string, args ...interface{}) (interface{}, error) {
-	sum := sha1.Sum([]byte(script))
-	params := make([]interface{}, 0, 2+len(keys)+len(args))
-	params = append(params, hex.EncodeToString(sum[:]), len(keys))
-	for _, k := range keys {
-		params = append(params, k)
-	}
-	params = append(params, args...)
+	params := evalParams(script, keys, args)
 	reply, err := r.do(ctx, "EVALSHA", params...)
 	if err != nil && strings.HasPrefix(err.Error(), "NOSCRIPT") {
 		params[0] = script
@@ -86,3 +81,55 @@ func (r *redigoRedis) ZScan(ctx context.Context, key string, cursor uint64, coun
 }
 
 func (r *redigoRedis) Close() error { return r.pool.Close() }
+
+// EvalWait is Eval followed by WAIT on the same connection, in one write (ReplicaWaiter).
+func (r *redigoRedis) EvalWait(ctx context.Context, replicas int, timeout time.Duration, script string,
+	keys []string, args ...interface{}) (interface{}, int64, error) {
+	params := evalParams(script, keys, args)
+	conn, err := r.pool.GetContext(ctx)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer conn.Close()
+	read := timeout + 5*time.Second
+	if deadline, ok := ctx.Deadline(); ok {
+		if read = time.Until(deadline); read <= 0 {
+			return nil, 0, context.DeadlineExceeded
+		}
+	}
+	for _, cmd := range []string{"EVALSHA", "EVAL"} {
+		if cmd == "EVAL" {
+			params[0] = script
+		}
+		if err := conn.Send(cmd, params...); err != nil {
+			return nil, 0, err
+		}
+		if err := conn.Send("WAIT", replicas, timeout.Milliseconds()); err != nil {
+			return nil, 0, err
+		}
+		if err := conn.Flush(); err != nil {
+			return nil, 0, err
+		}
+		reply, evalErr := redis.ReceiveWithTimeout(conn, read)
+		acked, err := redis.Int64(redis.ReceiveWithTimeout(conn, read))
+		if evalErr != nil && strings.HasPrefix(evalErr.Error(), "NOSCRIPT") {
+			continue
+		}
+		if evalErr != nil {
+			return nil, 0, evalErr
+		}
+		return reply, acked, err
+	}
+	return nil, 0, fmt.Errorf("NOSCRIPT the broker refused the script by its text")
+}
+
+// evalParams is EVALSHA's arguments: the script's digest, the keys, the args.
+func evalParams(script string, keys []string, args []interface{}) []interface{} {
+	sum := sha1.Sum([]byte(script))
+	params := make([]interface{}, 0, 2+len(keys)+len(args))
+	params = append(params, hex.EncodeToString(sum[:]), len(keys))
+	for _, k := range keys {
+		params = append(params, k)
+	}
+	return append(params, args...)
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strconv"
+	"time"
 )
 
 // Redis is the few commands the client needs, so that the package pins no Redis client:
@@ -20,6 +21,18 @@ type Redis interface {
 	Eval(ctx context.Context, script string, keys []string, args ...interface{}) (interface{}, error)
 	// ZScan is one ZSCAN step: member and score strings alternating, and the next cursor.
 	ZScan(ctx context.Context, key string, cursor uint64, count int64) ([]string, uint64, error)
+}
+
+// ReplicaWaiter is what Config.BrokerDurability Replicated needs of the broker's adapter
+// besides Redis: Eval's script (EVALSHA, then EVAL on NOSCRIPT, as Eval) followed by
+// WAIT replicas timeout-ms on the same connection, pipelined in one write, so that the WAIT
+// covers the script's writes and costs no extra round trip. It returns the script's reply
+// (or its error) and WAIT's: how many replicas acknowledged. The read must wait at least
+// timeout beyond the script's answer (README.md has go-redis's; the tests' redigo adapter
+// has one).
+type ReplicaWaiter interface {
+	EvalWait(ctx context.Context, replicas int, timeout time.Duration, script string, keys []string,
+		args ...interface{}) (reply interface{}, acked int64, err error)
 }
 
 // loadScript is store/lua/load.lua, byte for byte (a test compares them): a checkpoint and

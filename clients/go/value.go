@@ -42,7 +42,10 @@ func (c *Client[C]) encodeSave(cp *C) (storedSave, error) {
 		return storedSave{}, err
 	}
 	budget := c.cfg.MaxValueBytes
-	value := encoder.EncodeAll(head.Doc, nil)
+	value, err := c.sealed(head.SessionID, encoder.EncodeAll(head.Doc, nil))
+	if err != nil {
+		return storedSave{}, err
+	}
 	if len(value) <= budget {
 		return storedSave{head, value}, nil
 	}
@@ -57,7 +60,11 @@ func (c *Client[C]) encodeSave(cp *C) (storedSave, error) {
 		if err != nil {
 			return storedSave{}, err
 		}
-		if v := encoder.EncodeAll(h.Doc, nil); len(v) <= budget {
+		v, err := c.sealed(h.SessionID, encoder.EncodeAll(h.Doc, nil))
+		if err != nil {
+			return storedSave{}, err
+		}
+		if len(v) <= budget {
 			best, low = storedSave{h, v}, mid+1
 		} else {
 			high = mid - 1
@@ -69,6 +76,15 @@ func (c *Client[C]) encodeSave(cp *C) (storedSave, error) {
 			"alone does not fit the %d-byte stored-size budget", ErrTooLarge, displayID(head.SessionID), budget)
 	}
 	return best, nil
+}
+
+// sealed is a compressed value as the store will hold it: sealed under the primary key
+// with Config.Encryption (the budget bounds what is stored), else as it is.
+func (c *Client[C]) sealed(sessionID string, value []byte) ([]byte, error) {
+	if c.cfg.Encryption == nil {
+		return value, nil
+	}
+	return c.cfg.Encryption.seal(sessionID, value)
 }
 
 // displayID is the id as the workers print it in a reason (store/model.py display_id):

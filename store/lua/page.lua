@@ -6,7 +6,8 @@
 -- Keys come in ARGV and the script is sent to the node directly, as due.lua (see there):
 -- every index named must be in a slot that node serves. Read-only.
 --
--- ARGV[1]  now in ms since epoch: only ids whose deadline is later are live
+-- ARGV[1]  now in ms since epoch: only ids whose deadline is later are live; '' for this
+--          node's time (the store's clock, as load.lua's)
 -- ARGV[2]  page size: stop after the index that brings the page to this many ids
 -- ARGV[3]  ZSCAN cursor to resume the first index at ("0": from its start)
 -- ARGV[4..] deadline indexes, in slot order
@@ -15,6 +16,10 @@
 -- "0", index n + 1 has more, from that ZSCAN cursor. Within an index, ZSCAN's guarantee
 -- holds: an id present from the first page to the last is returned at least once.
 local now, want, cursor = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
 local out, found = {0, '0'}, 0
 for i = 4, #ARGV do
   local reply = redis.call('ZSCAN', ARGV[i], cursor, 'COUNT', want)

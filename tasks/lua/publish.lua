@@ -8,7 +8,18 @@
 -- KEYS[2]      the pending index: sorted set, session id -> the latest deadline of its
 --              entries (ms)
 -- KEYS[3]      the pending epoch: a token that changes only when the broker lost its data
--- KEYS[4..]    two per request in the message, in ARGV order: its session's entries
+--              (all of it, or a suffix of what it accepted: see KEYS[4])
+-- KEYS[4]      the pending mark (a hash): 'n', a counter every publish advances, so that a
+--              broker that went back in time (a crash, or a failover to a lagging replica,
+--              that lost a suffix of accepted writes) shows a mark below one a producer saw;
+--              the last such loss found ('losses', 'lost_at' ms, 'lost_seen', 'lost_mark');
+--              and a ring of the recent marks' tokens: field 't<mark mod 65536>' holds
+--              '<mark>:<token>' (the token: ARGV[3]'s first 16 characters), so that a mark
+--              the broker lost and gave again to another publish shows another token
+-- KEYS[5]      the pending counts (a hash): session id -> how many entries its publishes
+--              wrote and settles did not remove, so that a load can tell an entry missing
+--              (deleted by hand, evicted) from one settled
+-- KEYS[6..]    two per request in the message, in ARGV order: its session's entries
 --              (<prefix>.cq:pending-requests:<id>, a hash: request id -> "<seq> <op>"),
 --              then its value key (<prefix>.cq:pending-value:<n>:<id>:<request id>; unused
 --              by a delete). A staged save's value is there already (SET by the caller
@@ -18,7 +29,13 @@
 -- ARGV[3]      a fresh random token, the epoch if the broker has none yet
 -- ARGV[4]      the producer's clock when it publishes, microseconds since the epoch
 -- ARGV[5]      the most a seq may be ahead of the broker's clock, microseconds
--- ARGV[6..]    five per request: session id, seq, op ("save" | "delete" | "staged"),
+-- ARGV[6]      the epoch this producer last saw ('' none), ARGV[7] the highest mark it
+--              saw in that epoch and ARGV[8] that mark's token ('' unknown): a mark now
+--              at or below ARGV[7], or the ring's slot of ARGV[7] holding that mark with
+--              another token, means the broker lost that suffix, and the epoch turns to
+--              ARGV[3], for every client to see (a slot holding another mark, overwritten
+--              65536 publishes later or never written, tells nothing: the mark alone judges)
+-- ARGV[9..]    five per request: session id, seq, op ("save" | "delete" | "staged"),
 --              request id, value (save: the stored value; delete, staged: "")
 -- Refused before any write, with a CQREFUSED error naming why (nothing is pushed):
 -- a producer clock more than half the limit ahead of the broker's (its requests would
@@ -26,9 +43,11 @@
 -- limit ahead, a seq that is not a time or is past its deadline already (a clock behind
 -- by more than the TTL), a request id already pending in its session as another request.
 -- A staged save whose value is missing is refused with ERR.
--- Returns the epoch.
+-- Returns {epoch, mark, found}: the epoch, this publish's mark (its token: ARGV[3]'s first 16
+-- characters), and 1 when this call found
+-- the broker had gone back in time (and turned the epoch), else 0.
 local ttl, limit = tonumber(ARGV[2]), tonumber(ARGV[5])
-local records = (#ARGV - 5) / 5
+local records = (#ARGV - 8) / 5
 local time = redis.call('TIME')
 local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local now_ms = math.floor(now_us / 1000)
@@ -39,7 +58,7 @@ if ahead > limit / 2 then
       .. ' allowed): fix its time synchronisation (NTP)', ahead / 1e6, limit / 2e6))
 end
 for i = 1, records do
-  local a = 6 + (i - 1) * 5
+  local a = 9 + (i - 1) * 5
   local seq = tonumber(ARGV[a + 1])
   if not string.match(ARGV[a + 1], '^%d+$') or seq < 1577836800000000 then
     return redis.error_reply('CQREFUSED seq: ' .. ARGV[a + 1] .. ' is not a time in'
@@ -50,13 +69,13 @@ for i = 1, records do
   elseif math.floor(seq / 1000) + ttl <= now_ms then
     return redis.error_reply('CQREFUSED seq: ' .. ARGV[a + 1] .. ' is past its deadline'
       .. " already (more than the session TTL behind the broker's clock)")
-  elseif ARGV[a + 2] == 'staged' and redis.call('EXISTS', KEYS[3 + 2 * i]) == 0 then
-    return redis.error_reply('ERR staged value ' .. KEYS[3 + 2 * i] .. ' is missing')
+  elseif ARGV[a + 2] == 'staged' and redis.call('EXISTS', KEYS[5 + 2 * i]) == 0 then
+    return redis.error_reply('ERR staged value ' .. KEYS[5 + 2 * i] .. ' is missing')
   end
   -- A request id is its request's, in its session: one already pending with another seq or
   -- op is another request's (a faulty producer reusing it), which would replace its entry
   -- and value. The same again is a retried publish that landed: harmless.
-  local held = redis.call('HGET', KEYS[2 + 2 * i], ARGV[a + 3])
+  local held = redis.call('HGET', KEYS[4 + 2 * i], ARGV[a + 3])
   local op = ARGV[a + 2] == 'staged' and 'save' or ARGV[a + 2]
   if held and held ~= ARGV[a + 1] .. ' ' .. op then
     return redis.error_reply('CQREFUSED request: id ' .. ARGV[a + 3] .. ' is pending for'
@@ -68,13 +87,30 @@ end
 -- first would have let every later write through.
 redis.call('LPUSH', KEYS[1], ARGV[1])
 local epoch = redis.call('GET', KEYS[3])
+local mark = redis.call('HINCRBY', KEYS[4], 'n', 1)
+local found, seen, forked = 0, tonumber(ARGV[7]), false
+if epoch == ARGV[6] and ARGV[8] ~= '' then
+  local at, token = string.match(redis.call('HGET', KEYS[4], 't' .. (seen % 65536)) or '',
+    '^(%d+):(.+)$')
+  forked = at == ARGV[7] and token ~= ARGV[8]
+end
+redis.call('HSET', KEYS[4], 't' .. (mark % 65536), mark .. ':' .. string.sub(ARGV[3], 1, 16))
 if not epoch then
   redis.call('SET', KEYS[3], ARGV[3])
   epoch = ARGV[3]
+elseif epoch == ARGV[6] and (mark <= seen or forked) then
+  -- This producer saw a higher mark in this epoch, or its mark with another token: the
+  -- broker lost what came after (and gave the marks again, to publishes unaware of it).
+  redis.call('SET', KEYS[3], ARGV[3])
+  epoch, found = ARGV[3], 1
+  redis.call('HINCRBY', KEYS[4], 'losses', 1)
+  -- (lost_mark: the mark the broker went back to; -1 when the token found it: unknown)
+  redis.call('HSET', KEYS[4], 'lost_at', now_ms, 'lost_seen', ARGV[7], 'lost_mark',
+    mark <= seen and mark - 1 or -1)
 end
 for i = 1, records do
-  local a = 6 + (i - 1) * 5
-  local entries, value_key = KEYS[2 + 2 * i], KEYS[3 + 2 * i]
+  local a = 9 + (i - 1) * 5
+  local entries, value_key = KEYS[4 + 2 * i], KEYS[5 + 2 * i]
   local op, deadline = ARGV[a + 2], math.floor(tonumber(ARGV[a + 1]) / 1000) + ttl
   if op == 'staged' then
     -- The message needs its value for as long as it may be applied.
@@ -83,10 +119,16 @@ for i = 1, records do
   elseif op == 'save' then
     redis.call('SET', value_key, ARGV[a + 4], 'PXAT', deadline)
   end
-  redis.call('HSET', entries, ARGV[a + 3], ARGV[a + 1] .. ' ' .. op)
+  local due = tonumber(redis.call('ZSCORE', KEYS[2], ARGV[a]))
+  if (not due or due <= now_ms) and redis.call('EXISTS', entries) == 0 then
+    redis.call('HDEL', KEYS[5], ARGV[a]) -- a count left by entries that expired
+  end
+  if redis.call('HSET', entries, ARGV[a + 3], ARGV[a + 1] .. ' ' .. op) == 1 then
+    redis.call('HINCRBY', KEYS[5], ARGV[a], 1)
+  end
   if redis.call('PEXPIRETIME', entries) < deadline then
     redis.call('PEXPIREAT', entries, deadline)
   end
   redis.call('ZADD', KEYS[2], 'GT', deadline, ARGV[a])
 end
-return epoch
+return {epoch, mark, found}

@@ -9,7 +9,10 @@
 -- nothing of that request, neither its entry nor its staged value.
 --
 -- KEYS[1]      the pending index: sorted set, session id -> latest entry deadline (ms)
--- KEYS[2..]    four per settled request, in ARGV order: its session's entries
+-- KEYS[2]      the pending counts (publish.lua's): a removed entry counts one less, and
+--              so does a request whose entry is missing while the counts say one is (a
+--              session leaves the index only once its count is spent)
+-- KEYS[3..]    four per settled request, in ARGV order: its session's entries
 --              (<prefix>.cq:pending-requests:<id>), its session's earlier-layout record
 --              (<prefix>.cq:pending:<id>, removed only if it names this request and stamp),
 --              its value (<prefix>.cq:pending-value:...) and its earlier-layout value
@@ -25,7 +28,7 @@
 local removed = 0
 local settled = #ARGV / 5
 for i = 1, settled do
-  local a, k = 5 * (i - 1), 1 + 4 * (i - 1)
+  local a, k = 5 * (i - 1), 2 + 4 * (i - 1)
   local id, req, seq, op, values = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5]
   local entries, legacy = KEYS[k + 1], KEYS[k + 2]
   local ours = true
@@ -33,9 +36,15 @@ for i = 1, settled do
   if entry then
     if seq ~= '' and entry == seq .. ' ' .. op then
       removed = removed + redis.call('HDEL', entries, req)
+      redis.call('HINCRBY', KEYS[2], id, -1)
     else
       ours = false
     end
+  elseif seq ~= '' and (tonumber(redis.call('HGET', KEYS[2], id)) or 0)
+      > redis.call('HLEN', entries) then
+    -- Its entry is missing (deleted by hand, evicted) and the counts say so: this is one
+    -- of the requests loads refuse to answer for; one fewer is left to land.
+    redis.call('HINCRBY', KEYS[2], id, -1)
   end
   local old = redis.call('HMGET', legacy, 'req', 'seq', 'op')
   if old[1] == req then
@@ -46,8 +55,10 @@ for i = 1, settled do
       ours = false
     end
   end
-  if redis.call('EXISTS', entries, legacy) == 0 then
+  if redis.call('EXISTS', entries, legacy) == 0
+      and (tonumber(redis.call('HGET', KEYS[2], id)) or 0) <= 0 then
     redis.call('ZREM', KEYS[1], id)
+    redis.call('HDEL', KEYS[2], id)
   end
   if ours and values ~= '0' then
     redis.call('DEL', KEYS[k + 3])

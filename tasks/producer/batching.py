@@ -22,18 +22,111 @@ from typing import Any
 import orjson
 
 from checkpointq.store.base import Fence
+from checkpointq.store.encryption import EncryptionError
 from checkpointq.store.model import Checkpoint, validate_session_id
 from checkpointq.tasks import messages
-from checkpointq.tasks.errors import BrokerUnavailable
+from checkpointq.tasks.errors import BrokerUnavailable, ReplicationTimeout
 from checkpointq.tasks.messages import APPLY_BATCH, DELETE, MAX_ITEMS, SAVE
-from checkpointq.tasks.producer.client import CheckpointClient, Handle
+from checkpointq.tasks.producer.client import CheckpointClient
+from checkpointq.tasks.producer.core import ProducerCore
 from checkpointq.tasks.producer.outcomes import RequestOutcome
 from checkpointq.tasks.producer.pending import DELETE_OP, SAVE_OP, RecordWrite
+from checkpointq.tasks.producer.requests import Handle, Publication
 
 logger = logging.getLogger(__name__)
 
 #: Bytes of a batch body beyond its items: ``[[`` ... ``]],{},{embed}]`` and the commas.
 _FRAMING = 128
+
+
+class OpenBatch:
+    """The batch being filled, without I/O or locks (both batching clients hold one): its
+    encoded items, their pending records and the message they make."""
+
+    def __init__(self, max_items: int, max_bytes: int) -> None:
+        self.max_items = max_items
+        self.max_bytes = max_bytes
+        self.items: list[bytes] = []
+        # Each item's pending record, without its request id (``<task id>:<index>``).
+        self.records: list[tuple[str, int, str, bytes]] = []
+        self.size = 0
+        self.saves = 0
+        self.task_id = ""
+
+    def too_large(self, item: bytes) -> bool:
+        """Whether ``item`` alone is larger than a batch may be (it goes as a request)."""
+        return len(item) + 1 > self.max_bytes
+
+    def fits(self, item: bytes) -> bool:
+        return len(self.items) < self.max_items and self.size + len(item) + 1 <= self.max_bytes
+
+    @property
+    def full(self) -> bool:
+        return len(self.items) >= self.max_items
+
+    def add(self, item: bytes, task: str, session_id: str, seq: int, value: bytes) -> Handle:
+        """Add ``item`` (it ``fits``), opening the batch if empty; the request's handle."""
+        if not self.items:
+            self.task_id = str(uuid.uuid4())
+        op = SAVE_OP if task == SAVE else DELETE_OP
+        self.items.append(item)
+        self.records.append((session_id, seq, op, value))
+        self.size += len(item) + 1
+        self.saves += task == SAVE
+        # The worker names item i of batch T "T:i" (tasks/batch.py).
+        return Handle(self.task_id, task, session_id, seq, f"{self.task_id}:{len(self.items) - 1}")
+
+    def take(self) -> Publication | None:
+        """The batch's ``checkpoint.apply_batch`` message (None if empty); empties it."""
+        items, task_id, saves, pending = self.items, self.task_id, self.saves, self.records
+        self.items, self.size, self.saves, self.records = [], 0, 0, []
+        if not items:
+            return None
+        records = tuple(
+            RecordWrite(session_id, seq, op, f"{task_id}:{index}", value)
+            for index, (session_id, seq, op, value) in enumerate(pending)
+        )
+        body = messages.body(b"[[" + b",".join(items) + b"]]", b"{}")
+        argsrepr = f"[<{len(items)} items: {saves} saves, {len(items) - saves} deletes>]"
+        handle = Handle(task_id, APPLY_BATCH, "", None)
+        return Publication(APPLY_BATCH, body, argsrepr, "{}", task_id, records, handle)
+
+
+def single_request(
+    task: str, session_id: str, payload: bytes, seq: int, value: bytes
+) -> Publication:
+    """An item too large for a batch, as the single request it is."""
+    body = messages.body(b"[" + payload + b"]", messages.seq_kwargs(seq))
+    argsrepr = f"[<{task.removeprefix('checkpoint.')} {session_id!r}>]"
+    task_id = str(uuid.uuid4())
+    op = SAVE_OP if task == SAVE else DELETE_OP
+    record = RecordWrite(session_id, seq, op, task_id, value)
+    handle = Handle(task_id, task, session_id, seq)
+    return Publication(task, body, argsrepr, f"{{'seq': {seq}}}", task_id, (record,), handle)
+
+
+def window_seconds(
+    client: ProducerCore, window_ms: float, max_items: int, batching: str, plain: str
+) -> float:
+    """Check a batching client's options (both clients'); its window in seconds.
+
+    Refuses to batch an encrypting client's saves: an apply_batch item carries its
+    checkpoint's JSON, so it would reach the broker in clear. Encrypted saves are staged,
+    one message each (docs/security.md).
+
+    Raises:
+        ValueError: ``window_ms`` or ``max_items`` out of range.
+        EncryptionError: ``client`` encrypts (``batching`` names the batching client,
+            ``plain`` the one to use instead).
+    """
+    if window_ms <= 0 or not 1 <= max_items <= MAX_ITEMS:
+        raise ValueError(f"window_ms must be > 0 and max_items within 1..{MAX_ITEMS}")
+    if client.encrypted:
+        raise EncryptionError(
+            f"{batching} sends checkpoints inside its messages, in clear: with encryption "
+            f"at rest on, use {plain} (its saves are staged, sealed)"
+        )
+    return window_ms / 1000
 
 
 class BatchingClient:
@@ -54,23 +147,21 @@ class BatchingClient:
             max_items: most requests per message (at most ``checkpointq.tasks.messages.MAX_ITEMS``).
             max_bytes: largest message body; default the client's ``max_message_bytes``
                 (the worker dead-letters larger ones).
+
+        Raises:
+            EncryptionError: ``client`` encrypts (a batch would carry checkpoints in clear).
         """
-        if window_ms <= 0 or not 1 <= max_items <= MAX_ITEMS:
-            raise ValueError(f"window_ms must be > 0 and max_items within 1..{MAX_ITEMS}")
+        self.window = window_seconds(
+            client, window_ms, max_items, "BatchingClient", "CheckpointClient"
+        )
         self.client = client
-        self.window = window_ms / 1000
         self.max_items = max_items
         self.max_bytes = (max_bytes or client.max_message_bytes) - _FRAMING
         self._cond = threading.Condition()
-        # The open batch: its encoded items, their total size, its task id and deadline.
-        self._items: list[bytes] = []
-        # Each item's pending record, without its request id (``<task id>:<index>``).
-        self._records: list[tuple[str, int, str, bytes]] = []
-        self._size = 0
-        self._saves = 0
-        self._task_id = ""
+        # The open batch, and when it is due.
+        self._batch = OpenBatch(max_items, self.max_bytes)
         self._deadline = 0.0
-        self._error: BrokerUnavailable | None = None
+        self._error: BrokerUnavailable | ReplicationTimeout | None = None
         self._closed = False
         # Held while a batch is taken and published, so that batches leave in order.
         self._publishing = threading.Lock()
@@ -90,6 +181,8 @@ class BatchingClient:
             InvalidCheckpoint: not a valid checkpoint (nothing was queued).
             InvalidInput: the checkpoint exceeds ``max_message_bytes``.
             BrokerUnavailable: an earlier batch could not be published, or this one.
+            ReplicationTimeout: an earlier batch, or this one, is queued on the broker's
+                primary but not on enough replicas (``CHECKPOINTQ_BROKER_DURABILITY``).
         """
         cp, document, stored = self.client.prepare_save(checkpoint)
         return self._add(SAVE, cp.session_id, messages.save_item, document, after, stored.value)
@@ -113,10 +206,10 @@ class BatchingClient:
         after: int | None,
         value: bytes,
     ) -> Handle:
-        op = SAVE_OP if task == SAVE else DELETE_OP
         self._raise_pending_error()
         item = b""
         seq = 0
+        batch = self._batch
         while True:
             handle: Handle | None = None
             with self._cond:
@@ -126,15 +219,14 @@ class BatchingClient:
                     # Stamped under the lock: items join batches in seq order.
                     seq = self.client.clock.next(session_id, after)
                     item = item_of(payload, seq)
-                    if len(item) + 1 > self.max_bytes:
+                    if batch.too_large(item):
                         break
-                room = len(self._items) < self.max_items
-                if room and self._size + len(item) + 1 <= self.max_bytes:
-                    self._append(item, task, (session_id, seq, op, value))
-                    # The worker names item i of batch T "T:i" (tasks/batch.py).
-                    request_id = f"{self._task_id}:{len(self._items) - 1}"
-                    handle = Handle(self._task_id, task, session_id, seq, request_id)
-                    if len(self._items) < self.max_items:
+                if batch.fits(item):
+                    if not batch.items:
+                        self._deadline = time.monotonic() + self.window
+                        self._cond.notify()
+                    handle = batch.add(item, task, session_id, seq, value)
+                    if not batch.full:
                         return handle
             # The open batch is full (with or without this item): publish it now.
             self.flush()
@@ -142,27 +234,7 @@ class BatchingClient:
                 return handle
         # Alone larger than a batch may be: publish it as the single request it is.
         self.flush()
-        body = messages.body(b"[" + payload + b"]", messages.seq_kwargs(seq))
-        argsrepr = f"[<{task.removeprefix('checkpoint.')} {session_id!r}>]"
-        task_id = str(uuid.uuid4())
-        record = RecordWrite(session_id, seq, op, task_id, value)
-        kwargsrepr = f"{{'seq': {seq}}}"
-        self.client.send_encoded(task, body, argsrepr, kwargsrepr, task_id, [record])
-        return Handle(task_id, task, session_id, seq)
-
-    def _append(self, item: bytes, task: str, record: tuple[str, int, str, bytes]) -> None:
-        """Add to the open batch (opening one if needed); the caller holds ``_cond``."""
-        if not self._items:
-            self._task_id = str(uuid.uuid4())
-            self._deadline = time.monotonic() + self.window
-            self._size = 0
-            self._saves = 0
-            self._records = []
-            self._cond.notify()
-        self._items.append(item)
-        self._records.append(record)
-        self._size += len(item) + 1
-        self._saves += task == SAVE
+        return self.client.publish(single_request(task, session_id, payload, seq, value))
 
     # -- publishing -----------------------------------------------------------------------
 
@@ -179,25 +251,16 @@ class BatchingClient:
     def _publish_open_batch(self) -> None:
         with self._publishing:
             with self._cond:
-                items, task_id, saves = self._items, self._task_id, self._saves
-                pending = self._records
-                self._items, self._size, self._saves, self._records = [], 0, 0, []
-            if not items:
-                return
-            records = [
-                RecordWrite(session_id, seq, op, f"{task_id}:{index}", value)
-                for index, (session_id, seq, op, value) in enumerate(pending)
-            ]
-            body = messages.body(b"[[" + b",".join(items) + b"]]", b"{}")
-            argsrepr = f"[<{len(items)} items: {saves} saves, {len(items) - saves} deletes>]"
-            self.client.send_encoded(APPLY_BATCH, body, argsrepr, "{}", task_id, records)
+                publication = self._batch.take()
+            if publication is not None:
+                self.client.publish(publication)
 
     def _run(self) -> None:
         """The flusher: publish each batch when its window has passed."""
         while True:
             with self._cond:
                 while not self._closed:
-                    if self._items:
+                    if self._batch.items:
                         wait = self._deadline - time.monotonic()
                         if wait <= 0:
                             break
@@ -208,6 +271,10 @@ class BatchingClient:
                     return
             try:
                 self._publish_open_batch()
+            except ReplicationTimeout as exc:  # queued on the primary: raised all the same
+                logger.error("a batch of checkpoint requests is not on enough replicas: %s", exc)
+                with self._cond:
+                    self._error = exc
             except BrokerUnavailable as exc:
                 logger.error("a batch of checkpoint requests was not published: %s", exc)
                 with self._cond:

@@ -22,40 +22,49 @@ loads read the store alone (``pending_records`` is None): a request is seen once
 
 from __future__ import annotations
 
-import reprlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
+from redis import exceptions as redis_errors
 
-from checkpointq.store.base import CheckpointStore, EncodedCheckpoint, Fence, StoreOptions
-from checkpointq.store.codec import zstd_bound
-from checkpointq.store.errors import InvalidInput
-from checkpointq.store.factory import store_from_settings
-from checkpointq.store.keys import KeySpace
+from checkpointq.store.base import CheckpointStore, EncodedCheckpoint, Fence
+from checkpointq.store.encryption import EncryptionError
+from checkpointq.store.errors import CheckpointError, InvalidInput, StoreNotConfigured
+from checkpointq.store.factory import StoreSettings, store_from_settings
 from checkpointq.store.model import Checkpoint, validate_session_id
-from checkpointq.store.serde import checkpoint_from_wire, dumps_go, serialize_checkpoint
-from checkpointq.store.urls import kombu_url, redact_url
-from checkpointq.tasks import brokers, messages
-from checkpointq.tasks.errors import BrokerUnavailable, RequestRefused
+from checkpointq.store.serde import dumps_go
+from checkpointq.store.urls import kombu_url
+from checkpointq.tasks import brokers, messages, store_identity
+from checkpointq.tasks.errors import BrokerUnavailable, ReplicationTimeout
 
 # The task names are the contract (docs/protocol.md); the client does not import the tasks.
-from checkpointq.tasks.messages import DELETE, EXPIRE_STALE, REFRESH, SAVE, SAVE_STAGED
-from checkpointq.tasks.producer import compressed_body, fast_publish
-from checkpointq.tasks.producer.clock import SeqClock, seq_clock
-from checkpointq.tasks.producer.outcomes import APPLIED, RequestOutcome, Trimmed, decide
+from checkpointq.tasks.messages import EXPIRE_STALE, REFRESH
+from checkpointq.tasks.producer import fast_publish
+from checkpointq.tasks.producer.broker_durability import LOCAL_DURABILITY, BrokerDurability
+from checkpointq.tasks.producer.clock import SeqClock
+from checkpointq.tasks.producer.core import ProducerCore
+from checkpointq.tasks.producer.outcomes import RequestOutcome
+from checkpointq.tasks.producer.pending import (
+    DEFAULT_MAX_SEQ_AHEAD_SECONDS,
+    DEFAULT_REPUBLISH_BYTES,
+    DEFAULT_REPUBLISH_REQUESTS,
+    DEFAULT_REPUBLISH_SECONDS,
+    PendingRecords,
+    RecentPublishes,
+    RecordWrite,
+)
+from checkpointq.tasks.producer.requests import (
+    Handle,
+    Publication,
+    brief,
+)
 
 if TYPE_CHECKING:
     from celery import Celery
-from checkpointq.tasks.producer.pending import (
-    DEFAULT_MAX_SEQ_AHEAD_SECONDS,
-    DELETE_OP,
-    SAVE_OP,
-    PendingRecords,
-    RecordWrite,
-)
+
+__all__ = ["PUBLISH_RETRY_POLICY", "CheckpointClient", "ClientSettings", "Handle"]
 
 #: How hard a publish tries while the broker is unreachable (kombu retry policy): about
 #: three seconds in all, then BrokerUnavailable.
@@ -67,53 +76,51 @@ PUBLISH_RETRY_POLICY: dict[str, float] = {
 }
 
 
-class ClientSettings(Protocol):
+class ClientSettings(StoreSettings, Protocol):
     """What ``from_settings`` reads; ``checkpointq.worker.settings.Settings`` has all of it."""
 
     broker_url: str | None
-    key_prefix: str
-    pg_schema: str
-    pg_auto_upgrade: bool
     queue: str
     max_message_bytes: int
     compress_messages: bool
     stage_saves: bool
     max_seq_ahead_seconds: float
+    republish_seconds: float
+    republish_requests: int
+    republish_bytes: int
     sentinel_master: str | None
     sentinel_password: str | None
+    broker_replicas: int
+    broker_replication_timeout_ms: int
 
     @property
-    def resolved_store_url(self) -> str | None: ...
-
-    def store_options(self) -> StoreOptions: ...
+    def broker_durability(self) -> str: ...
 
 
-@dataclass(frozen=True, slots=True)
-class Handle:
-    """A request on its way: pass it to ``wait_durable``. ``seq`` is None for refreshes.
+def client_options(settings: ClientSettings) -> tuple[str, dict[str, Any]]:
+    """The broker URL ``settings`` name and the options both clients take from them.
 
-    ``task_id`` is the message's id; ``request_id`` names the request itself: the same for a
-    single request, ``"<batch task id>:<index>"`` for an item of a batch (empty: the task id).
+    Raises:
+        StoreNotConfigured: no broker URL (resolve the embedded one first, as ``Settings()``
+            and the CLI do).
     """
-
-    task_id: str
-    task: str
-    session_id: str
-    seq: int | None
-    request_id: str = ""
-    #: A save whose history the store will trim (as this producer encoded it): how and why.
-    trimmed: Trimmed | None = None
-
-    @property
-    def request(self) -> str:
-        """The id the fence and the refusal records know this request by."""
-        return self.request_id or self.task_id
-
-
-# Celery puts a repr of the arguments (up to 1 KB, built by walking all of them) in every
-# message's headers for logs and Flower; a few dozen characters say as much.
-_brief = reprlib.Repr()
-_brief.maxlevel, _brief.maxdict, _brief.maxlist, _brief.maxstring = 2, 4, 4, 40
+    if not settings.broker_url:
+        raise StoreNotConfigured(
+            "no broker URL: set CHECKPOINTQ_BROKER_URL, or run `checkpointq up` in this "
+            "directory (Settings() finds its embedded Redis)"
+        )
+    return settings.broker_url, {
+        "queue": settings.queue,
+        "max_message_bytes": settings.max_message_bytes,
+        "compress_messages": settings.compress_messages,
+        "stage_saves": settings.stage_saves,
+        "max_seq_ahead_seconds": settings.max_seq_ahead_seconds,
+        "republish_seconds": settings.republish_seconds,
+        "republish_requests": settings.republish_requests,
+        "republish_bytes": settings.republish_bytes,
+        "key_prefix": settings.key_prefix,
+        "durability": BrokerDurability.from_settings(settings),
+    }
 
 
 def _bounded(broker_url: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -134,7 +141,7 @@ def _bounded(broker_url: str, options: dict[str, Any]) -> dict[str, Any]:
     return bounded
 
 
-class CheckpointClient:
+class CheckpointClient(ProducerCore):
     """Enqueue checkpoint requests and read checkpoints; safe to share between threads."""
 
     def __init__(
@@ -150,6 +157,10 @@ class CheckpointClient:
         compress_messages: bool = True,
         stage_saves: bool = True,
         max_seq_ahead_seconds: float = DEFAULT_MAX_SEQ_AHEAD_SECONDS,
+        republish_seconds: float = DEFAULT_REPUBLISH_SECONDS,
+        republish_requests: int = DEFAULT_REPUBLISH_REQUESTS,
+        republish_bytes: int = DEFAULT_REPUBLISH_BYTES,
+        durability: BrokerDurability = LOCAL_DURABILITY,
     ) -> None:
         """Publish to ``broker_url``'s ``queue``; read (and wait on) ``store``.
 
@@ -176,15 +187,38 @@ class CheckpointClient:
         which the broker applies at publish too: a request stamped further ahead of the
         broker's clock, or made while this producer's clock runs over half of it ahead, is
         refused at once (``SeqRefused``), never accepted and then dead-lettered.
+
+        ``republish_*``: on a Redis broker, the recovery window (``CHECKPOINTQ_REPUBLISH_*``):
+        the requests published in the last ``republish_seconds`` (at most
+        ``republish_requests`` of them and ``republish_bytes`` of messages and values) are
+        published again when this client finds the broker lost accepted requests
+        (``epoch_changes`` counts each loss; ``pending.RecentPublishes``).
+
+        ``durability``: when a save or delete counts as accepted
+        (``CHECKPOINTQ_BROKER_DURABILITY``, ``broker_durability``): by default once the
+        broker's primary has it; replicated, once that many replicas acknowledged it (WAIT,
+        in the same write), else ``ReplicationTimeout``. Plain Redis brokers only.
+
+        Encryption at rest (``store.options.encryption``): every save is staged, its value
+        sealed here, so the checkpoint reaches the broker only encrypted (``stage_saves`` is
+        then ignored). Other brokers carry the checkpoint in the message, so they are
+        refused with encryption on (docs/security.md).
+
+        Raises:
+            EncryptionError: encryption is on and the broker is not a Redis broker.
+            InvalidInput: ``durability`` is replicated and the broker is not a plain Redis
+                (Celery's publish cannot send a WAIT on its connection).
         """
+        super().__init__(
+            broker_url,
+            store,
+            queue=queue,
+            max_message_bytes=max_message_bytes,
+            clock=clock,
+            compress_messages=compress_messages,
+            stage_saves=stage_saves,
+        )
         self._transport_options = dict(transport_options or {})
-        self.clock = clock or seq_clock
-        self.store = store
-        self.queue = queue
-        self.max_message_bytes = max_message_bytes
-        self.compress_messages = compress_messages
-        self.stage_saves = stage_saves
-        self._display_url = redact_url(broker_url)
         self._broker_url = broker_url
         # Redis brokers: our own protocol 2 messages over a pooled connection.
         self._publisher: fast_publish.RedisPublisher | None = None
@@ -192,19 +226,40 @@ class CheckpointClient:
         #: The pending records on the broker (Redis brokers only): written by every save and
         #: delete, merged into every load and list.
         self.pending_records: PendingRecords | None = None
+        self.durability = durability
         if fast_publish.supports(broker_url):
-            self._publisher = fast_publish.RedisPublisher(broker_url, queue, PUBLISH_RETRY_POLICY)
-            store_keys = getattr(store, "keys", None)
-            prefix = key_prefix or getattr(store_keys, "prefix", None)
-            keys = KeySpace(prefix) if prefix else KeySpace()
+            # A replicated publish waits for its replicas on the publishing connection: its
+            # socket wait and its whole budget grow by the WAIT's timeout.
+            extra = durability.wait_seconds
+            self._publisher = fast_publish.RedisPublisher(
+                broker_url,
+                queue,
+                PUBLISH_RETRY_POLICY,
+                socket_timeout=fast_publish.ATTEMPT_TIMEOUT + extra,
+                timeout=fast_publish.PUBLISH_TIMEOUT + extra,
+            )
             self.pending_records = self._publisher.pending = PendingRecords(
                 self._publisher.client,
                 store,
-                keys,
+                self.record_keys(key_prefix),
                 ttl_seconds=store.options.ttl_seconds,
                 clock=self.clock,
                 max_seq_ahead_seconds=max_seq_ahead_seconds,
                 display_url=self._display_url,
+                recent=RecentPublishes(republish_seconds, republish_requests, republish_bytes),
+                durability=durability,
+            )
+        elif durability.is_replicated:
+            raise InvalidInput(
+                f"CHECKPOINTQ_BROKER_DURABILITY=replicated needs a plain Redis broker "
+                f"(redis://, rediss://, unix://), not {self._display_url}: the WAIT must go "
+                "on the publishing connection",
+                field="durability",
+            )
+        elif self.encrypted:
+            raise EncryptionError(
+                f"encryption at rest needs a Redis broker (redis://, rediss://, unix://): on "
+                f"{self._display_url} a save's checkpoint would travel in clear in its message"
             )
         else:
             self._app = self._celery_app()
@@ -246,28 +301,16 @@ class CheckpointClient:
         """A client for the deployment ``settings`` describe (broker URL must be set).
 
         Raises:
-            ValueError: no broker URL (resolve the embedded one first, as the CLI does).
+            StoreNotConfigured: no broker URL (a ``CheckpointError`` and a ``ValueError``).
         """
-        if not settings.broker_url:
-            raise ValueError(
-                "no broker URL: set CHECKPOINTQ_BROKER_URL, or run `checkpointq up` in this "
-                "directory (Settings() finds its embedded Redis)"
-            )
-        store = store_from_settings(settings)
+        broker_url, options = client_options(settings)
+        transport = brokers.transport_options(
+            broker_url,
+            sentinel_master=settings.sentinel_master,
+            sentinel_password=settings.sentinel_password,
+        )
         return cls(
-            settings.broker_url,
-            store,
-            queue=settings.queue,
-            max_message_bytes=settings.max_message_bytes,
-            compress_messages=settings.compress_messages,
-            stage_saves=settings.stage_saves,
-            max_seq_ahead_seconds=settings.max_seq_ahead_seconds,
-            key_prefix=settings.key_prefix,
-            transport_options=brokers.transport_options(
-                settings.broker_url,
-                sentinel_master=settings.sentinel_master,
-                sentinel_password=settings.sentinel_password,
-            ),
+            broker_url, store_from_settings(settings), transport_options=transport, **options
         )
 
     def __repr__(self) -> str:
@@ -292,121 +335,75 @@ class CheckpointClient:
             SeqRefused: the broker refused it at once (this producer's clock runs ahead of
                 the broker's, or ``after`` is too far ahead): nothing was queued.
             BrokerUnavailable: the broker stayed unreachable through the publish retries.
+            ReplicationTimeout: ``durability`` replicated, and the primary took it but not
+                enough replicas acknowledged it in time (``exc.handle`` is its handle).
         """
         publisher = self._publisher
+        if publisher is None:
+            return self.publish(self.requests.save(checkpoint, after, fast=False))
         # (a staged value is written only by the pending records' script: both or neither)
-        if publisher is not None and publisher.pending is not None and self.stage_saves:
-            return self._save_staged(publisher, checkpoint, after)
-        cp, document, stored = self.prepare_save(checkpoint)
-        seq = self.clock.next(cp.session_id, after)
-        argsrepr = f"[<checkpoint {cp.session_id!r} v{cp.version}, {len(document)} bytes>]"
-        kwargsrepr = f"{{'seq': {seq}}}"
-        task_id = fast_publish.new_id()
-        record = RecordWrite(cp.session_id, seq, SAVE_OP, task_id, stored.value)
-        if publisher is not None:
-            # The record's value is the zstd frame of ``document`` unless the store trimmed it.
-            prefix, suffix = messages.save_body_framing(seq)
-            zstd_body = (
-                compressed_body.enclose(stored.value, prefix, suffix)
-                if self.compress_messages and not stored.trimmed
-                else None
-            )
-            body = b"".join((prefix, document, suffix))
-            publisher.publish(SAVE, body, argsrepr, kwargsrepr, task_id, [record], zstd_body)
+        # (encrypted, always: whatever ``stage_saves`` was set to since, a save message would
+        # carry the checkpoint in clear)
+        if publisher.pending is not None and (self.stage_saves or self.encrypted):
+            return self.publish(self.requests.save_staged(checkpoint, after))
+        return self.publish(self.requests.save(checkpoint, after, fast=True))
+
+    def publish(self, publication: Publication) -> Handle:
+        """Push ``publication`` (with its pending records, on a Redis broker); its handle.
+
+        Raises:
+            SeqRefused, BrokerUnavailable, ReplicationTimeout: as ``save``.
+        """
+        p = publication
+        if (publisher := self._publisher) is not None:
+            try:
+                publisher.publish(
+                    p.task, p.body, p.argsrepr, p.kwargsrepr, p.task_id, p.records, p.zstd_body
+                )
+            except ReplicationTimeout as exc:
+                exc.handle = p.handle  # accepted by the primary: its outcome can be waited on
+                raise
         else:
-            body = messages.save_body(document, seq)
-            self.send_encoded(SAVE, body, argsrepr, kwargsrepr, task_id=task_id)
-        trimmed = self._trimmed(cp, stored.trimmed)
-        return Handle(task_id, SAVE, cp.session_id, seq, trimmed=trimmed)
+            self.send_encoded(p.task, p.body, p.argsrepr, p.kwargsrepr, task_id=p.task_id)
+        return p.handle
 
-    def _save_staged(
-        self,
-        publisher: fast_publish.RedisPublisher,
-        checkpoint: Checkpoint | dict[str, Any],
-        after: int | None,
-    ) -> Handle:
-        """``save`` as ``checkpoint.save_staged``: the value goes to the broker once, under
-        the request's id, and the message names it (docs/protocol.md, "Staged saves")."""
-        cp, value, trimmed = self.staged_value(checkpoint)
-        seq = self.clock.next(cp.session_id, after)
-        task_id = fast_publish.new_id()
-        body = messages.save_staged_body(dumps_go(cp.session_id), seq, trimmed)
-        argsrepr = f"[<checkpoint {cp.session_id!r} v{cp.version}, staged {len(value)} bytes>]"
-        kwargsrepr = f"{{'seq': {seq}}}"
-        record = RecordWrite(cp.session_id, seq, SAVE_OP, task_id, value, staged=True)
-        publisher.publish(SAVE_STAGED, body, argsrepr, kwargsrepr, task_id, [record])
-        return Handle(task_id, SAVE_STAGED, cp.session_id, seq, trimmed=self._trimmed(cp, trimmed))
+    def send_sealed(self, session_id: str, seq: int, value: bytes) -> str:
+        """Publish a staged save of an already sealed value under ``seq`` (the replay of an
+        encrypted staged save's dead letter; ``Requests.send_sealed``); its task id.
 
-    def _trimmed(self, checkpoint: Checkpoint, trimmed: int) -> Trimmed | None:
-        history_cap = self.store.options.history_cap
-        return Trimmed.of(len(checkpoint.conversation_history), trimmed, history_cap)
+        Raises:
+            InvalidInput: the broker is not a Redis broker (staged saves need one).
+            SeqRefused, BrokerUnavailable: as ``save``.
+        """
+        publisher = self._publisher
+        if publisher is None or publisher.pending is None:
+            raise InvalidInput(f"a staged save needs a Redis broker, not {self._display_url}")
+        return self.publish(self.requests.send_sealed(session_id, seq, value)).task_id
 
     def staged_value(
         self, checkpoint: Checkpoint | dict[str, Any]
     ) -> tuple[Checkpoint, bytes, int]:
-        """The value a staged save puts on the broker, and how many messages it trimmed: the
-        checkpoint's JSON as it is, when it is within the history cap and could not exceed
-        the stored-size budget however it compresses (the worker compresses it, as it
-        would a message's checkpoint); else the store's own ``encode`` (trimmed, zstd).
-
-        Raises:
-            InvalidCheckpoint, InvalidInput, CheckpointTooLarge: as ``prepare_save``.
-        """
-        cp, document = self.encode(checkpoint)
-        options = self.store.options
-        if (
-            len(cp.conversation_history) <= options.history_cap
-            and zstd_bound(len(document)) <= options.max_value_bytes
-        ):
-            return cp, document, 0
-        stored = self.store.encode(cp, document)
-        return cp, stored.value, stored.trimmed
+        """As ``Requests.staged_value`` (sealed with encryption on)."""
+        return self.requests.staged_value(checkpoint)
 
     def prepare_save(
         self, checkpoint: Checkpoint | dict[str, Any]
     ) -> tuple[Checkpoint, bytes, EncodedCheckpoint]:
-        """``encode``, and the value the store will hold (the store's own ``encode``: the
-        history trimmed to the cap and the stored-size budget, compressed).
-
-        Raises:
-            InvalidCheckpoint, InvalidInput: as ``encode``.
-            CheckpointTooLarge: it cannot fit the stored-size budget.
-        """
-        cp, document = self.encode(checkpoint)
-        return cp, document, self.store.encode(cp, document)
+        """As ``Requests.prepare_save``: the checkpoint, its JSON and its stored value."""
+        return self.requests.prepare_save(checkpoint)
 
     def encode(self, checkpoint: Checkpoint | dict[str, Any]) -> tuple[Checkpoint, bytes]:
-        """Validate ``checkpoint`` and serialise it once: the Go JSON that both the size
-        check and the message carry.
-
-        Raises:
-            InvalidCheckpoint: not a valid checkpoint.
-            InvalidInput: its JSON exceeds ``max_message_bytes``.
-        """
-        cp = checkpoint if isinstance(checkpoint, Checkpoint) else checkpoint_from_wire(checkpoint)
-        document = serialize_checkpoint(cp)
-        if len(document) > self.max_message_bytes:
-            raise InvalidInput(
-                f"checkpoint is {len(document)} bytes as JSON; the limit is "
-                f"{self.max_message_bytes}",
-                field="checkpoint",
-            )
-        return cp, document
+        """As ``Requests.encode``: validated, and serialised once (with encryption on,
+        the envelope counts against ``max_message_bytes``)."""
+        return self.requests.encode(checkpoint)
 
     def delete(self, session_id: str, *, after: int | None = None) -> Handle:
         """Enqueue a delete stamped with a fresh causal ``seq``; return at once.
 
         Raises:
-            SeqRefused, BrokerUnavailable: as ``save``.
+            SeqRefused, BrokerUnavailable, ReplicationTimeout: as ``save``.
         """
-        validate_session_id(session_id)
-        seq = self.clock.next(session_id, after)
-        body = messages.body(dumps_go([session_id]), messages.seq_kwargs(seq))
-        task_id = fast_publish.new_id()
-        record = RecordWrite(session_id, seq, DELETE_OP, task_id)
-        argsrepr, kwargsrepr = _brief.repr([session_id]), f"{{'seq': {seq}}}"
-        self.send_encoded(DELETE, body, argsrepr, kwargsrepr, task_id=task_id, records=[record])
-        return Handle(task_id, DELETE, session_id, seq)
+        return self.publish(self.requests.delete(session_id, after))
 
     def refresh(self, session_id: str) -> Handle:
         """Enqueue a TTL refresh (no rewrite); return at once."""
@@ -423,7 +420,7 @@ class CheckpointClient:
         Raises:
             BrokerUnavailable: the broker stayed unreachable through the publish retries.
         """
-        argsrepr, kwargsrepr = _brief.repr(args), _brief.repr(kwargs)
+        argsrepr, kwargsrepr = brief.repr(args), brief.repr(kwargs)
         if (publisher := self._publisher) is not None:
             body = messages.body(dumps_go(args), dumps_go(kwargs))
             return publisher.publish(task, body, argsrepr, kwargsrepr)
@@ -489,7 +486,8 @@ class CheckpointClient:
         self, handle: Handle, timeout: float = 10.0, interval: float = 0.01
     ) -> RequestOutcome:
         """Block until ``handle``'s own outcome is known: applied, superseded by a request
-        ordered after it, or expired (a save past its deadline, never stored; ``outcomes``).
+        ordered after it, expired (a save past its deadline, never stored), or lost (its
+        message was gone while its record stayed, a purge: ``outcomes``).
 
         Raises:
             ValueError: the handle has no ``seq`` (a refresh).
@@ -497,41 +495,16 @@ class CheckpointClient:
             TimeoutError: no outcome within ``timeout`` seconds.
             StoreUnavailable: the store could not be read.
         """
-        if handle.seq is None:
-            raise ValueError(f"{handle.task} requests carry no seq to wait for")
-        request = handle.request
-        deadline = time.monotonic() + timeout
-        delay = interval
+        poll = self.requests.poll(handle, timeout, interval)
         while True:
-            fence, refusal = self.store.request_outcome(handle.session_id, request)
-            records = self.pending_records
-            if refusal is None and not self.store.keeps_refusals and records is not None:
-                refusal = records.refusal(handle.session_id, request)
-            if fence is not None:
-                self.clock.observe(handle.session_id, fence.seq)
-            # The fence first: it is the session's own, while a refusal names a request id.
-            outcome = decide(handle.task, request, handle.seq, fence, self._lapsed(handle.seq))
+            fence, refusal = self.store.request_outcome(handle.session_id, handle.request)
+            self.check_store()
+            if refusal is None and not self.store.keeps_refusals and self.pending_records:
+                refusal = self.pending_records.refusal(handle.session_id, handle.request)
+            outcome = poll.judge(fence, refusal)
             if outcome is not None:
-                if outcome.outcome == APPLIED and handle.trimmed is not None:
-                    return replace(outcome, trimmed=handle.trimmed)
                 return outcome
-            if refusal is not None and refusal.names(handle.seq):
-                description = f"{handle.task} {request} for session {handle.session_id!r}"
-                raise RequestRefused(description, refusal.kind, refusal.reason, refusal.entry)
-            if time.monotonic() >= deadline:
-                at = "no fence" if fence is None else f"fence at seq {fence.seq}"
-                raise TimeoutError(
-                    f"{handle.task} {request} for session {handle.session_id!r} (seq "
-                    f"{handle.seq}) not applied within {timeout}s ({at})"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.25)
-
-    def _lapsed(self, seq: int) -> bool:
-        """Whether a request stamped ``seq`` is certainly past its deadline (by this
-        producer's clock, less the store's tombstone margin for clocks that disagree)."""
-        store = self.store
-        return store.lapsed(seq, self.clock.now_us() // 1000 - store.tombstone_ms)
+            time.sleep(poll.pause(fence))
 
     # -- reads --------------------------------------------------------------------------
 
@@ -559,6 +532,7 @@ class CheckpointClient:
             checkpoint, fence = self.store.load_with_fence(session_id)
         else:
             checkpoint, fence = self.pending_records.load(session_id)
+        self.check_store()
         if fence is not None:
             self.clock.observe(session_id, fence.seq)
         return checkpoint, fence
@@ -568,12 +542,39 @@ class CheckpointClient:
         pending deletes (sorted when merged). Raises as ``load``."""
         if self.pending_records is None:
             return self.store.list()
-        return self.pending_records.list()
+        sessions = self.pending_records.list()
+        self.check_store()
+        return sessions
+
+    def check_store(self) -> None:
+        """Compare this client's store with the one the broker's workers publish, after
+        each read until they agree (``checkpointq.tasks.store_identity``): a read from
+        another store than theirs raises instead of answering. After the read, so that a
+        server that does not answer fails the read itself; a comparison that cannot be
+        made (a store refusing writes cannot make its identity) waits for the next read.
+
+        Raises:
+            StoreMismatch: they are two stores (naming both).
+        """
+        check, publisher = self.store_check, self._publisher
+        if publisher is None or self.pending_records is None or not check.due():
+            return
+        key = self.pending_records.keys.published_store()
+        try:
+            mine = self.store.identity()  # first: an announcement made after it counts
+            published = store_identity.PublishedStore.decode(publisher.client.get(key))
+        except (redis_errors.RedisError, CheckpointError):
+            check.unknown()
+            return
+        check.compare(mine, repr(self.store), published, self._display_url)
 
     @property
     def epoch_changes(self) -> int:
-        """How many times this client found the broker had lost its pending records (a
-        restart without persistence; ``checkpointq_pending_epoch_changes_total``)."""
+        """How many times this client found the broker had lost accepted requests: all of
+        them (a restart without persistence) or a suffix (a crash inside its fsync window,
+        a failover to a lagging replica, found by the pending mark going back;
+        ``checkpointq_pending_epoch_changes_total``). Each is logged, and the requests this
+        client published within its recovery window are published again."""
         return 0 if self.pending_records is None else self.pending_records.epochs.changes
 
     def close(self) -> None:

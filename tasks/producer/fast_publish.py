@@ -100,6 +100,123 @@ class _Template:
         )  # fmt: skip
 
 
+class Envelopes:
+    """The messages of one queue, as kombu's Redis transport stores them: no I/O, shared by
+    the sync publisher and the asyncio one (``producer.aio``)."""
+
+    def __init__(self, queue: str) -> None:
+        self.queue = queue
+        self._reply_to = str(uuid.uuid4())
+        self._templates: dict[tuple[str, str | None], _Template] = {}
+        self._pid = os.getpid()
+
+    def _template(self, task: str, compression: str | None) -> _Template:
+        template = self._templates.get((task, compression))
+        if template is None or self._pid != os.getpid():
+            # ``origin`` names the producing process, as Celery's does: rebuild after a fork.
+            if self._pid != os.getpid():
+                self._templates, self._pid = {}, os.getpid()
+            origin = f"gen{self._pid}@{socket.gethostname()}"
+            template = _Template(task, self.queue, origin, self._reply_to, compression)
+            self._templates[task, compression] = template
+        return template
+
+    def envelope(
+        self,
+        task: str,
+        body: bytes,
+        argsrepr: str,
+        kwargsrepr: str,
+        task_id: str,
+        compression: str | None = None,
+    ) -> bytes:
+        """The message as the transport stores it (what ``LPUSH <queue>`` receives).
+
+        ``compression``: the content type kombu's ``compression`` header gives ``body`` (its
+        JSON compressed), or None for the JSON itself.
+        """
+        return self._template(task, compression).render(
+            b64encode(body),
+            task_id.encode(),
+            orjson.dumps(argsrepr),
+            orjson.dumps(kwargsrepr),
+            new_id().encode(),
+        )
+
+    def message(
+        self,
+        task: str,
+        body_json: bytes,
+        argsrepr: str,
+        kwargsrepr: str,
+        task_id: str,
+        zstd_body: bytes | None = None,
+    ) -> tuple[bytes, publish_hooks.PublishHooks | None]:
+        """The message to push (``zstd_body`` in place of ``body_json`` when given), through
+        Celery's ``before_task_publish`` receivers when any are connected, and those hooks
+        (call their ``after`` once the push is done)."""
+        if zstd_body is None:
+            message = self.envelope(task, body_json, argsrepr, kwargsrepr, task_id)
+        else:
+            message = self.envelope(
+                task, zstd_body, argsrepr, kwargsrepr, task_id, compressed_body.CONTENT_TYPE
+            )
+        # Celery's publish signals (tracing headers), when a receiver is connected.
+        hooks = publish_hooks.connected()
+        if hooks is not None:
+            message = hooks.before(task, body_json, message, self.queue)
+        return message, hooks
+
+
+class Attempts:
+    """One publish's retry schedule, without I/O: kombu's retry policy keys (``max_retries``,
+    ``interval_start``, ``interval_step``, ``interval_max``) within ``timeout`` seconds in
+    all, shared by the sync and the asyncio publishers."""
+
+    def __init__(
+        self,
+        what: str,
+        policy: Mapping[str, float],
+        timeout: float,
+        attempt_worst: float,
+        display_url: str,
+    ) -> None:
+        self.what = what
+        self.display_url = display_url
+        self.retries = int(policy.get("max_retries", 0))
+        self.interval = float(policy.get("interval_start", 0.0))
+        self.step = float(policy.get("interval_step", 0.5))
+        self.ceiling = float(policy.get("interval_max", 1))
+        self.attempt_worst = attempt_worst
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout
+        self.attempt = 0
+
+    def retry_after(self, exc: redis_errors.RedisError) -> float:
+        """The pause before the next attempt after ``exc`` failed this one.
+
+        Raises:
+            BrokerUnavailable: no attempt is left, or none would end within the timeout, or
+                ``exc`` is not a connection error or timeout (OOM, READONLY, ...: an
+                operator's problem that a retry within seconds would not fix).
+        """
+        if not isinstance(exc, _RETRYABLE):
+            raise BrokerUnavailable(
+                f"could not publish {self.what} to {self.display_url}: {type(exc).__name__}: {exc}"
+            ) from exc
+        now = time.monotonic()
+        if self.attempt == self.retries or now + self.interval + self.attempt_worst > self.deadline:
+            raise BrokerUnavailable(
+                f"could not publish {self.what} to {self.display_url}: {self.attempt + 1} "
+                f"attempt(s) in {now - self.started:.1f} s, the last: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        self.attempt += 1
+        pause = self.interval
+        self.interval = min(self.interval + self.step, self.ceiling)
+        return pause
+
+
 class RedisPublisher:
     """LPUSH protocol 2 messages onto a Redis broker's queue; safe to share between threads.
 
@@ -135,9 +252,7 @@ class RedisPublisher:
         )
         #: Written with each push that carries records (``attach``); None: plain LPUSH.
         self.pending: PendingRecords | None = None
-        self._reply_to = str(uuid.uuid4())
-        self._templates: dict[tuple[str, str | None], _Template] = {}
-        self._pid = os.getpid()
+        self.envelopes = Envelopes(queue)
 
     @property
     def client(self) -> redis.Redis:
@@ -150,39 +265,6 @@ class RedisPublisher:
 
     def __repr__(self) -> str:
         return f"RedisPublisher({self._display_url}, queue={self.queue!r})"
-
-    def _template(self, task: str, compression: str | None) -> _Template:
-        template = self._templates.get((task, compression))
-        if template is None or self._pid != os.getpid():
-            # ``origin`` names the producing process, as Celery's does: rebuild after a fork.
-            if self._pid != os.getpid():
-                self._templates, self._pid = {}, os.getpid()
-            origin = f"gen{self._pid}@{socket.gethostname()}"
-            template = _Template(task, self.queue, origin, self._reply_to, compression)
-            self._templates[task, compression] = template
-        return template
-
-    def envelope(
-        self,
-        task: str,
-        body: bytes,
-        argsrepr: str,
-        kwargsrepr: str,
-        task_id: str,
-        compression: str | None = None,
-    ) -> bytes:
-        """The message as the transport stores it (what ``LPUSH <queue>`` receives).
-
-        ``compression``: the content type kombu's ``compression`` header gives ``body`` (its
-        JSON compressed), or None for the JSON itself.
-        """
-        return self._template(task, compression).render(
-            b64encode(body),
-            task_id.encode(),
-            orjson.dumps(argsrepr),
-            orjson.dumps(kwargsrepr),
-            new_id().encode(),
-        )
 
     def publish(
         self,
@@ -210,16 +292,9 @@ class RedisPublisher:
             BrokerUnavailable: the broker stayed unreachable through the retries.
         """
         task_id = task_id or new_id()
-        if zstd_body is None:
-            message = self.envelope(task, body_json, argsrepr, kwargsrepr, task_id)
-        else:
-            message = self.envelope(
-                task, zstd_body, argsrepr, kwargsrepr, task_id, compressed_body.CONTENT_TYPE
-            )
-        # Celery's publish signals (tracing headers), when a receiver is connected.
-        hooks = publish_hooks.connected()
-        if hooks is not None:
-            message = hooks.before(task, body_json, message, self.queue)
+        message, hooks = self.envelopes.message(
+            task, body_json, argsrepr, kwargsrepr, task_id, zstd_body
+        )
         pending = self.pending
         if pending is not None and records:
             self._push(task, lambda: pending.push(self.queue, message, records))
@@ -229,33 +304,20 @@ class RedisPublisher:
             hooks.after(task, body_json, message, self.queue)
         return task_id
 
+    def attempts(self, what: str) -> Attempts:
+        """A publish's retry schedule (``Attempts``), started now."""
+        return Attempts(
+            what, self.retry_policy, self.timeout, self._attempt_worst, self._display_url
+        )
+
     def _push(self, what: str, push: Callable[[], object]) -> None:
-        policy = self.retry_policy
-        retries = int(policy.get("max_retries", 0))
-        interval = float(policy.get("interval_start", 0.0))
-        started = time.monotonic()
-        deadline = started + self.timeout
-        for attempt in range(retries + 1):
+        attempts = self.attempts(what)
+        while True:
             try:
                 push()
                 return
-            except _RETRYABLE as exc:
-                now = time.monotonic()
-                if attempt == retries or now + interval + self._attempt_worst > deadline:
-                    raise BrokerUnavailable(
-                        f"could not publish {what} to {self._display_url}: {attempt + 1} "
-                        f"attempt(s) in {now - started:.1f} s, the last: "
-                        f"{type(exc).__name__}: {exc}"
-                    ) from exc
             except redis_errors.RedisError as exc:
-                # OOM, READONLY, ...: an operator's problem that a retry within seconds
-                # would not fix; the caller still sees the one broker error.
-                raise BrokerUnavailable(
-                    f"could not publish {what} to {self._display_url}: {type(exc).__name__}: {exc}"
-                ) from exc
-            time.sleep(interval)
-            step, ceiling = float(policy.get("interval_step", 0.5)), policy.get("interval_max", 1)
-            interval = min(interval + step, float(ceiling))
+                time.sleep(attempts.retry_after(exc))
 
     def ping(self) -> Any:
         return self._client.ping()

@@ -3,10 +3,13 @@
 The fence keeps the winning request's id, and a worker that dead-letters a request records
 the refusal under the request's id, so a producer can tell its own request's fate:
 
-* **applied**: the fence names the request (it is what the store holds, or its delete is);
+* **applied**: the fence names the request by its whole stamp, id, ``seq`` and kind (it is
+  what the store holds, or its delete is): an id alone may be reused by a faulty producer;
 * **superseded**: the fence holds a request ordered after it (``store.ordering``), so it can
   no longer apply (it was applied and overwritten, or refused as stale);
 * **expired**: it reached a worker past its deadline, or is past it now: never stored;
+* **lost**: its message was gone while its pending record stayed (a purge): settled as
+  lost and dead-lettered, never applied;
 * **refused**: dead-lettered (``RequestRefused``, with the kind, reason and entry);
 * otherwise it is still on its way.
 
@@ -26,6 +29,9 @@ from checkpointq.tasks.messages import DELETE
 APPLIED = "applied"
 SUPERSEDED = "superseded"
 EXPIRED = "expired"
+#: Its message was gone while its pending record stayed (a purge): settled as lost, never
+#: applied (tasks/orphans.py; a dead letter of kind ``lost`` says more).
+LOST = "lost"
 
 
 #: Why a saved history was trimmed: the message-count cap, or the stored-size budget.
@@ -83,15 +89,18 @@ def decide(
     """The outcome of request ``request_id`` (a ``task`` stamped ``seq``), or None while it
     may still apply. ``lapsed``: the request is past its deadline (``store.ordering``), so a
     save can no longer apply whatever the fence says (a delete applies at any age)."""
-    lapsed = lapsed and task != DELETE
+    deleting = task == DELETE
+    lapsed = lapsed and not deleting
     if fence is None:
         return RequestOutcome(EXPIRED, 0, False, "") if lapsed else None
     winner = fence.request_id
-    if winner == request_id or (not winner and fence.seq == seq):
-        # (A fence without a winner was written by an older worker: at the request's own
-        # seq it is taken as this request's.)
+    if (winner == request_id or not winner) and fence.seq == seq and fence.deleted == deleting:
+        # The fence is this request's only when its whole stamp is: a request id alone may be
+        # another request's (a faulty producer reusing it, issue 44). (A fence without a
+        # winner was written by an older worker: at the request's own stamp it is taken as
+        # this request's.)
         outcome = EXPIRED if fence.lapsed else APPLIED
-    elif fence.key > order_key(seq, task == DELETE, request_id):
+    elif fence.key > order_key(seq, deleting, request_id):
         outcome = SUPERSEDED
     elif lapsed:
         outcome = EXPIRED

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -86,6 +88,26 @@ def test_a_second_owner_of_the_same_data_dir_is_refused(embedded: EmbeddedRedis)
             EmbeddedRedis(embedded.data_dir).start()
         # ... and its failed attempt did not disturb the owner's socket
         assert embedded.socket.exists()
+
+
+def test_a_probe_asking_at_that_instant_does_not_refuse_the_owner(
+    embedded: EmbeddedRedis,
+) -> None:
+    # Given a command run in the same directory (`stats` polling for `up` to serve) that
+    # holds the lock shared while it asks running(), slowed down as a loaded machine does
+    embedded.data_dir.mkdir(parents=True)
+    probe = embedded.lockfile.open("ab")
+    fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    release = threading.Timer(0.3, probe.close)  # closing releases the flock
+    release.start()
+    try:
+        # When `up` starts at that moment
+        with embedded.serving() as endpoint:
+            # Then it waits out the probe and serves; it is not "already running"
+            assert EmbeddedRedis(embedded.data_dir).running() == endpoint
+    finally:
+        release.cancel()
+        probe.close()
 
 
 def test_a_stale_socket_and_pid_file_from_a_killed_run_are_cleared(
@@ -180,5 +202,7 @@ def test_up_says_it_is_ready_as_one_json_object_with_json(
         "event": "ready",
         "data_dir": str(tmp_path.resolve()),
         "broker_url": f"unix://{tmp_path}/redis.sock",
+        # (no store URL set: the broker's Redis is the store too, and says so)
+        "store_url": f"unix://{tmp_path}/redis.sock",
         "queue": "checkpoints",
     }

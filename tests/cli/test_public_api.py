@@ -120,3 +120,23 @@ def test_examples_import_public_names_from_the_front_door() -> None:
                 deep = names & set(PUBLIC)
                 assert not deep, f"{block}: import {deep} from checkpointq, not {node.module}"
     assert {"CheckpointClient", "Settings"} <= imported
+
+
+#: A row of docs/api.md's field table: JSON field (plain, unlike a public name's row), then
+#: ``Model.attribute``.
+_FIELD_ROW = re.compile(r"^\| (\w+) \| `(\w+)\.(\w+)` \|", re.MULTILINE)
+
+
+def test_the_checkpoint_fields_page_names_every_field_of_the_model_and_nothing_else() -> None:
+    # Given docs/api.md's table of the checkpoint's fields, When its rows are read,
+    # Then they are the models' fields, in order, each with its JSON name.
+    from checkpointq.store.model import CheckpointMetadata
+
+    documented = _FIELD_ROW.findall(API_PAGE.read_text())
+    models = (checkpointq.Checkpoint, checkpointq.ConversationMessage, CheckpointMetadata)
+    actual = [
+        (field.alias or name, model.__name__, name)
+        for model in models
+        for name, field in model.model_fields.items()
+    ]
+    assert documented == actual

@@ -102,9 +102,9 @@ def _import_in(cwd: Path, code: str) -> subprocess.CompletedProcess[str]:
 def test_the_readme_says_where_its_python_block_runs_and_why_not_in_the_clones_parent(
     tmp_path: Path,
 ) -> None:
-    # Given the README's Python block, and a directory laid out as a clone's parent: a folder
-    # named checkpointq holding the checkout
-    (block,) = [b for b in blocks(README) if b.lang == "python"]
+    # Given the README's first Python block, and a directory laid out as a clone's parent: a
+    # folder named checkpointq holding the checkout
+    block = next(b for b in blocks(README) if b.lang == "python")
     (first,) = [line for line in block.code.splitlines() if line.startswith("from checkpointq")]
     (tmp_path / "checkpointq").symlink_to(ROOT)
 

@@ -240,6 +240,21 @@ def test_up_with_one_variable_keeps_sessions_in_postgresql(
             assert postgres_server.psql("SELECT version FROM up_readme.sessions") == "3"
             shown = cli_offline.run("show", "pg-demo", "--json")
             assert json.loads(shown.stdout)["version"] == 3
+            # And the ready block names the broker and the store apart, with both exports
+            log = (cli_offline.cwd / "up.log").read_text(errors="replace")
+            block = log[log.index("checkpointq is ready") :]
+            assert "  store         postgresql://" in block
+            assert "export CHECKPOINTQ_BROKER_URL=unix://" in block
+            assert "export CHECKPOINTQ_STORE_URL=postgresql://" in block
+            # And a shell that knows only the broker (no store URL) is told it reads
+            # another store than the workers', instead of missing the session
+            cli_offline.env.pop("CHECKPOINTQ_STORE_URL")
+            for command in (["show", "pg-demo"], ["ls"], ["health"]):
+                wrong = cli_offline.run(*command)
+                assert wrong.returncode == 1, (command, wrong.stdout, wrong.stderr)
+                said = wrong.stdout + wrong.stderr
+                assert "identity" in said and "postgresql://" in said, (command, said)
+            cli_offline.env["CHECKPOINTQ_STORE_URL"] = postgres_server.url
             system.send_signal(signal.SIGINT)
             assert system.wait(timeout=DEADLINE) == 0
     finally:

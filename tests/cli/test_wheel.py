@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -88,16 +90,26 @@ def installed(
 
 
 @pytest.fixture
-def user_project(tmp_path: Path) -> Path:
-    """A project directory whose own top-level modules must never be imported by checkpointq."""
-    project = tmp_path / "project"
-    project.mkdir()
+def user_project() -> Iterator[Path]:
+    """A project directory whose own top-level modules must never be imported by checkpointq.
+
+    Directly under the temp directory, not pytest's: `up` keeps its Redis socket under
+    ``project/.checkpointq``, and pytest's numbered base (``pytest-108/popen-gw1/<test>``)
+    once made that path longer than a unix socket may be, which `up` rightly refuses.
+    """
+    project = Path(tempfile.mkdtemp(prefix="cq-project-"))
     for name in SHADOWS:
         (project / f"{name}.py").write_text(
             f"open({str(project / (name + '.imported'))!r}, 'w').close()\n"
             f"raise ImportError('the user project\\'s {name}.py was imported')\n"
         )
-    return project
+    yield project
+    shutil.rmtree(project, ignore_errors=True)
+
+
+def _tail(log: Path, lines: int = 60) -> str:
+    """The end of a process's log, for a failure message."""
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
 def _env(bin_dir: Path) -> dict[str, str]:
@@ -130,6 +142,7 @@ def test_wheel_installs_only_the_checkpointq_namespace(installed: Path) -> None:
     package = site / "checkpointq"
     assert sorted(p.name for p in package.iterdir() if p.name != "__pycache__") == [
         "__init__.py",
+        "integrations",
         "py.typed",
         "store",
         "tasks",
@@ -184,12 +197,17 @@ def test_installed_up_save_show_never_import_the_users_modules(
         return _checkpointq(installed, user_project, *args, input=input)
 
     log = user_project / "up.log"
+
+    def serving_or_exited() -> bool:
+        return up.poll() is not None or checkpointq("stats").returncode == 0
+
     # Given `up` from the installed wheel, started in a project with its own tasks.py etc.
-    wait_until(
-        lambda: up.poll() is None and checkpointq("stats").returncode == 0,
-        timeout=DEADLINE,
-        message=f"installed checkpointq up to serve; log: {log}",
-    )
+    # (an `up` that exited never serves: the wait ends there, and the failure shows its log)
+    try:
+        wait_until(serving_or_exited, timeout=DEADLINE, message="installed checkpointq up")
+    except AssertionError as failure:
+        raise AssertionError(f"{failure} to serve; up.log:\n{_tail(log)}") from failure
+    assert up.poll() is None, f"up exited with code {up.returncode}; up.log:\n{_tail(log)}"
 
     # When a checkpoint is saved and waited for, then shown, from the same directory
     document = {"sessionId": "wheel-demo", "version": 3, "metadata": {"totalTokens": 11}}

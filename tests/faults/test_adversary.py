@@ -205,12 +205,14 @@ def test_hole_3_a_save_restored_after_the_fleet_was_down_outlives_no_tombstone(
 def test_hole_4_saves_outliving_their_session_ttl_lapse_staged_or_not(
     deployment: Deployment,
 ) -> None:
-    # Given a 3 s session TTL, and sessions saved before an outage of the workers
+    # Given a 3 s session TTL, and sessions saved before an outage of the workers (by a
+    # worker already consuming: one started after the saves may take longer than the TTL to
+    # start on a loaded machine, and the saves then lapse, rightly, before the outage)
     deployment.settings.update(ttl_seconds=3)
     client = _client(deployment, ttl_seconds=3)
     try:
-        before = [client.save(make_checkpoint(s, version=1)) for s in ("staged", "plain")]
         deployment.worker()
+        before = [client.save(make_checkpoint(s, version=1)) for s in ("staged", "plain")]
         for handle in before:
             assert client.wait_durable(handle, timeout=30).outcome == APPLIED
         # When both are saved again during an outage longer than the TTL: one staged, one

@@ -11,10 +11,11 @@ import redis
 import zstandard
 
 from checkpointq.store import RedisStore, StoreOptions, serialize_checkpoint
+from checkpointq.store.encryption import Keyring, generate_key
 from checkpointq.store.serde import checkpoint_to_wire
 from tests.support.checkpoints import make_checkpoint
 from tests.support.clocks import FakeClock
-from tests.support.gostore import GoStore
+from tests.support.gostore import GoStore, GoStoreError
 
 GO_TTL_SECONDS = 30 * 24 * 60 * 60
 
@@ -176,3 +177,20 @@ def test_go_only_sessions_are_listed_and_swept_at_their_own_deadline(
     assert store.expire_stale() == []
     from_go = go_store.load("go-only")
     assert from_go is not None and from_go["version"] == 5
+
+
+def test_the_go_store_fails_on_an_encrypted_value_and_its_clear_writes_stay_readable(
+    go_store: GoStore, real_redis: redis.Redis
+) -> None:
+    # Given a deployment with encryption at rest (docs/security.md) beside the upstream Go store
+    keys = Keyring.parse("k1:" + generate_key())
+    store = RedisStore(real_redis, options=StoreOptions(encryption=keys))
+    assert store.save(make_checkpoint("sealed", version=2), seq=1).applied
+    # When the Go store reads a sealed value, Then it fails (it cannot decrypt), changing nothing
+    with pytest.raises(GoStoreError):
+        go_store.load("sealed")
+    assert store.load("sealed") == make_checkpoint("sealed", version=2)
+    # And what the Go store writes in clear still loads with the keys (rekey seals it later)
+    go_store.save(_document("go-clear", version=5))
+    loaded = store.load("go-clear")
+    assert loaded is not None and loaded.version == 5

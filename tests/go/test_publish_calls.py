@@ -100,7 +100,7 @@ class Recorder:
         self.calls.append(Call(sha, [_wire(k) for k in keys], [_wire(a) for a in args]))
         if not args:  # load.lua: nothing stored, and the server's time
             return [None, None, None, None, None, 0]
-        return [None] * {"store": 10, "heads": 3 * len(keys) // 2}.get(str(args[0]), 5)
+        return [None] * {"store": 13, "heads": 3 * len(keys) // 2}.get(str(args[0]), 8)
 
 
 def _recording_client(port: int, monkeypatch: pytest.MonkeyPatch) -> tuple[redis.Redis, Recorder]:
@@ -132,13 +132,14 @@ def apart(monkeypatch: pytest.MonkeyPatch) -> tuple[PendingRecords, Recorder, Re
 
 
 def _push_call(records: PendingRecords, go: Call, op: str) -> Call:
-    """push_call from the Go call's message, session, seq, request id and value (ARGV 1, 6-10)
-    and the same clock, with the Go call's epoch token (ARGV 3, random in each client)."""
-    message, _, token, _, _, session, seq, _, request_id, value = go.args
+    """push_call from the Go call's message, session, seq, request id and value (ARGV 1,
+    9-13) and the same clock, with the Go call's epoch token (ARGV 3, random in each client)
+    and the epoch, mark and token it saw last (ARGV 6-8: its earlier publishes' replies)."""
+    message, _, token, _, _, epoch, mark, mark_token, session, seq, _, request_id, value = go.args
     assert session.decode() == SESSION
     write = RecordWrite(SESSION, int(seq), op, request_id.decode(), value)
     keys, args = records.push_call(QUEUE, message, [write], CLOCK_US)
-    args[2] = token
+    args[2], args[5], args[6], args[7] = token, epoch, mark, mark_token
     return Call(_sha1("tasks/lua/publish.lua"), [_wire(k) for k in keys], [_wire(a) for a in args])
 
 
@@ -153,13 +154,18 @@ def test_a_go_publish_is_the_python_producers_call(
     # And what the Go output gave: the fixed clock, the per-session stamps (the delete after
     # the save), the op, and a save's value exactly as the store will hold it
     assert go.args[3] == str(CLOCK_US).encode()
-    assert int(go.args[6]) == CLOCK_US + (op == "delete")
-    assert go.args[7] == op.encode()
+    # (the save is the first publish; the delete follows the save's reply, from the recorder)
+    # (and the mark's token, the save's own: the first 16 characters of its ARGV[3])
+    save_token = go_calls["save"].args[2][:16]
+    seen = [b"", b"0", b""] if op == "save" else [b"recorded-epoch", b"1", save_token]
+    assert go.args[5:8] == seen
+    assert int(go.args[9]) == CLOCK_US + (op == "delete")
+    assert go.args[10] == op.encode()
     if op == "save":
-        stored = zstandard.ZstdDecompressor().decompress(go.args[9], max_output_size=1 << 20)
+        stored = zstandard.ZstdDecompressor().decompress(go.args[12], max_output_size=1 << 20)
         assert stored == serialize_checkpoint(CHECKPOINT)
     else:
-        assert go.args[9] == b""
+        assert go.args[12] == b""
 
 
 def test_the_go_message_envelope_names_the_request_the_entry_names(
@@ -168,7 +174,7 @@ def test_the_go_message_envelope_names_the_request_the_entry_names(
     # The envelope is the one part each client builds its own way; it carries the same request
     for op in ("save", "delete"):
         envelope = json.loads(go_calls[op].args[0])
-        assert envelope["headers"]["id"] == go_calls[op].args[8].decode()
+        assert envelope["headers"]["id"] == go_calls[op].args[11].decode()
         assert envelope["headers"]["task"] == f"checkpoint.{op}"
         assert envelope["properties"]["delivery_info"]["routing_key"] == QUEUE
 
@@ -193,6 +199,11 @@ def test_a_go_load_on_one_redis_is_the_python_producers(
     client, calls = _recording_client(1, monkeypatch)
     records = _records(client, client)
     assert records.one_redis
+    # Given the replies the Go client had to its publishes (the recorder answers mark 1 to
+    # each: to the delete, a broker gone back, which leaves the delete's mark and token)
+    for op, below in (("save", 1), ("delete", 2)):
+        token = go_calls[op].args[2][:16].decode()
+        records.epochs.observe(b"recorded-epoch", 1, below=below, token=token)
     # When Python loads the session, broker and store one Redis
     assert records.load(SESSION) == (None, None)
     # Then it made Go's one call: read_pending.lua, mode "store"
@@ -212,6 +223,9 @@ def test_a_go_list_reads_the_newest_entries_as_the_python_producer(
     monkeypatch.setattr(broker, "time", lambda: (CLOCK_US // 1_000_000, 0))
     monkeypatch.setattr(broker, "zrangebyscore", lambda *_: [SESSION.encode()])
     monkeypatch.setattr(broker, "get", lambda _: None)
+    # (and no record missing: a pipelined read of the counts, no script)
+    monkeypatch.setattr(records, "counts_commands", lambda _ids: [])
+    monkeypatch.setattr(records, "missing", lambda *_args: None)
     # When Python reads the newest entries for a list
     assert records.live_records() == {}
     # Then it made Go's call: read_pending.lua, mode "heads"

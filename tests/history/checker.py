@@ -61,6 +61,8 @@ class _Checker:
         yield from self.outcomes()
         yield from self.dead_letters()
         yield from self.finals()
+        for loss in self.history.rekey_losses:
+            yield f"(e) after rekey, without the old key: {loss}"
 
     def publishes(self) -> Iterator[str]:
         for name, session, why in self.history.refused_at_publish:
@@ -146,6 +148,8 @@ class _Checker:
             refused = read.outcome.startswith("refused")
             if refused and request.producer in HEALTHY and not self.exempt(request, read.at_us):
                 yield f"(d) {_name(request)} reported {read.outcome}"
+            if read.outcome == "lost" and not self.exempt(request, read.at_us):
+                yield f"(a) {_name(request)} reported lost, but no fault took it"
             if read.outcome == "expired" and read.at_us < request.deadline_us - TOLERANCE_US:
                 yield f"(d) {_name(request)} reported expired before its deadline"
 

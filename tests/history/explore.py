@@ -51,8 +51,27 @@ _WEIGHTS: tuple[tuple[str, int], ...] = (
     ("loss", 1),
     ("hijack", 1),
 )
+#: The broker's faults of issue 44, after about one step in thirty, from a stream of their
+#: own (so that the other steps are still the seed's): a purged queue, and a broker that
+#: goes back to a snapshot taken earlier. (``drop``, records deleted by hand, is not drawn:
+#: with a redelivered duplicate it can still end a load's refusal early,
+#: docs/reliability.md; the kept regressions replay the cases it fixed.)
+_BROKER_FAULTS = ("purge", "snapshot", "snapshot", "rewind")
+_BROKER_FAULT_RATE = 1 / 30
+#: The database's faults, drawn in PostgreSQL worlds only (about one step in twenty): a row
+#: held by another client and released, the schema moved under the workers and back, the
+#: standby cut off and streaming again, and (rarer) a failover to it.
+_PG_WEIGHTS: tuple[tuple[str, int], ...] = (
+    ("lock", 3),
+    ("unlock", 2),
+    ("schema", 2),
+    ("lag", 3),
+    ("promote", 1),
+)
 _NAMES = [name for name, _ in _WEIGHTS]
 _CUMULATIVE = [weight for _, weight in _WEIGHTS]
+_PG_NAMES = [name for name, _ in _PG_WEIGHTS]
+_PG_CUMULATIVE = [weight for _, weight in _PG_WEIGHTS]
 
 
 def random_action(rng: random.Random) -> Action:
@@ -90,24 +109,50 @@ def random_action(rng: random.Random) -> Action:
     return Action(name, args)
 
 
+def random_database_fault(rng: random.Random) -> Action:
+    """One of the database's faults (``_PG_WEIGHTS``), with its arguments."""
+    name = rng.choices(_PG_NAMES, weights=_PG_CUMULATIVE)[0]
+    if name == "lock":
+        return Action(name, (rng.randrange(2),))
+    if name in ("schema", "lag"):
+        return Action(name, (rng.randrange(2),))
+    return Action(name)
+
+
 #: The share of steps followed by a sweep, in histories that sweep.
 _SWEEP_RATE = 0.05
 
 
-def random_history(seed: int, *, sweeps: bool = False) -> list[Action]:
-    """The seed's history; with ``sweeps``, a sweep after about one step in twenty, drawn
-    from a stream of their own, so that the other steps are still the seed's."""
+#: The share of steps followed by one of the database's faults, in histories that have them.
+_DATABASE_FAULT_RATE = 0.05
+
+
+def random_history(
+    seed: int, *, sweeps: bool = False, database: bool = False, rekeys: bool = False
+) -> list[Action]:
+    """The seed's history; one of the broker's faults after about one step in thirty; with
+    ``sweeps``, a sweep after about one step in twenty, with ``database`` one of the
+    database's faults after about one in twenty, and with ``rekeys`` a rekey after about
+    one in twenty, each drawn from a stream of its own, so that the other steps are still
+    the seed's."""
     rng = random.Random(seed)
     actions = [random_action(rng) for _ in range(rng.randint(40, 120))]
-    if not sweeps:
-        return actions
     sweep_rng = random.Random(f"sweeps {seed}")
-    with_sweeps: list[Action] = []
+    fault_rng = random.Random(f"database {seed}")
+    broker_rng = random.Random(f"broker {seed}")
+    rekey_rng = random.Random(f"rekeys {seed}")
+    extended: list[Action] = []
     for action in actions:
-        with_sweeps.append(action)
-        if sweep_rng.random() < _SWEEP_RATE:
-            with_sweeps.append(Action("sweep"))
-    return with_sweeps
+        extended.append(action)
+        if broker_rng.random() < _BROKER_FAULT_RATE:
+            extended.append(Action(broker_rng.choice(_BROKER_FAULTS)))
+        if sweeps and sweep_rng.random() < _SWEEP_RATE:
+            extended.append(Action("sweep"))
+        if database and fault_rng.random() < _DATABASE_FAULT_RATE:
+            extended.append(random_database_fault(fault_rng))
+        if rekeys and rekey_rng.random() < _SWEEP_RATE:
+            extended.append(Action("rekey"))
+    return extended
 
 
 @dataclass
@@ -120,6 +165,7 @@ class Finding:
     actions: list[Action]
     violations: list[str]
     postgres: bool = False
+    encrypted: bool = False
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -127,6 +173,7 @@ class Finding:
             "violation": self.violations[0],
             "one_redis": self.one_redis,
             "store": "postgres" if self.postgres else "redis",
+            "encrypted": self.encrypted,
             "variant": self.variant,
             "actions": [a.as_json() for a in self.actions],
         }
@@ -158,9 +205,13 @@ class Figures:
 
     def summary(self) -> str:
         steps = sum(self.actions.values())
-        faults = {k: self.actions[k] for k in ("crash", "restore", "loss", "hijack", "advance")}
-        if self.actions["sweep"]:
-            faults["sweep"] = self.actions["sweep"]
+        faults = {
+            k: self.actions[k]
+            for k in ("crash", "restore", "loss", "hijack", "advance", "purge", "drop", "rewind")
+        }
+        for name in ("sweep", "rekey", *_PG_NAMES):
+            if self.actions[name]:
+                faults[name] = self.actions[name]
         return (
             f"{self.histories} histories, {steps} steps in {self.seconds:.0f} s: "
             f"{self.requests} requests accepted, {self.refused_at_publish} refused at publish, "
@@ -204,15 +255,23 @@ def explore(
     progress: Callable[[Figures], None] | None = None,
     histories: int | None = None,
     postgres: bool = False,
+    encrypted: bool = False,
 ) -> tuple[Figures, list[Finding]]:
     """Run random histories for ``seconds`` (or ``histories`` of them, if fewer); shrink
     each one that fails. ``postgres``: every history in a PostgreSQL world (``running``
-    must run PostgreSQL)."""
+    must run PostgreSQL). ``encrypted``: in encrypted worlds, with rekeys among the steps."""
     source = variant_source(variant)
     worlds = (
-        {False: World(running, one_redis=False, settle_source=source, postgres=True)}
+        {
+            False: World(
+                running, one_redis=False, settle_source=source, postgres=True, encrypted=encrypted
+            )
+        }
         if postgres
-        else {flag: World(running, one_redis=flag, settle_source=source) for flag in (True, False)}
+        else {
+            flag: World(running, one_redis=flag, settle_source=source, encrypted=encrypted)
+            for flag in (True, False)
+        }
     )
     try:
         with _quiet():
@@ -241,7 +300,11 @@ def _explore(
     ):
         world = worlds[seed % 2 == 0] if len(worlds) == 2 else next(iter(worlds.values()))
         # PostgreSQL worlds sweep: there the sweep rewrites rows (values due, spent fences).
-        history = world.run(random_history(seed, sweeps=world.postgres))
+        history = world.run(
+            random_history(
+                seed, sweeps=world.postgres, database=world.postgres, rekeys=world.encrypted
+            )
+        )
         figures.add(history)
         violations = check(history)
         if violations:
@@ -255,6 +318,7 @@ def _explore(
                     actions,
                     check(shrunk) or violations,
                     world.postgres,
+                    world.encrypted,
                 )
             )
             if stop_at_first or len(findings) >= _MAX_FINDINGS:
@@ -300,6 +364,7 @@ def keep(finding: Finding, directory: Path = REGRESSIONS) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     prefix = f"{finding.variant}-" if finding.variant else ""
     prefix += "postgres-" if finding.postgres else ""
+    prefix += "encrypted-" if finding.encrypted else ""
     path = directory / f"{prefix}seed-{finding.seed}.json"
     path.write_text(render(finding.as_json()))
     return path
@@ -327,6 +392,7 @@ def replay(path: Path, running: Servers, *, postgres: bool | None = None) -> lis
         one_redis=bool(data["one_redis"]),
         settle_source=variant_source(data["variant"]),
         postgres=postgres,
+        encrypted=bool(data.get("encrypted", False)),
     )
     try:
         return check(world.run([Action.from_json(a) for a in data["actions"]]))
@@ -346,6 +412,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="redis",
         help="redis: one- and two-Redis worlds; postgres: a PostgreSQL store beside the broker",
     )
+    parser.add_argument(
+        "--encrypted",
+        action="store_true",
+        help="encrypted worlds (two keys, a rotation under way), with rekeys among the steps",
+    )
     options = parser.parse_args(argv)
     postgres = options.store == "postgres"
     with servers(postgres=postgres) as running:
@@ -357,6 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stop_at_first=False,
             progress=lambda f: print(f.summary(), flush=True),
             postgres=postgres,
+            encrypted=options.encrypted,
         )
     print(f"{options.store} worlds, seeds from {options.seed}: {figures.summary()}")
     for finding in findings:

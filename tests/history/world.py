@@ -24,6 +24,7 @@ docs/semantics.md.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 import traceback
@@ -35,22 +36,26 @@ from typing import Any
 
 import psycopg
 import redis
-from celery import Celery
+from celery import Celery, states
 
 from checkpointq.store.base import CheckpointStore, Fence, StoreOptions
+from checkpointq.store.encryption import Keyring, MissingEncryptionKey
+from checkpointq.store.errors import StoreUnavailable
 from checkpointq.store.keys import KeySpace
 from checkpointq.store.ordering import deadline_ms
 from checkpointq.store.postgres import PostgresStore
 from checkpointq.store.redis import RedisStore
-from checkpointq.tasks import checkpoints, coalesced, messages, runtime
+from checkpointq.store.rekey import rekey
+from checkpointq.tasks import checkpoints, coalesced, messages, orphans, runtime
 from checkpointq.tasks.dead_letters import DeadLetters
-from checkpointq.tasks.errors import RequestRefused, SeqRefused
+from checkpointq.tasks.errors import PendingRecordMissing, RequestRefused, SeqRefused
 from checkpointq.tasks.policy import RetryPolicy
 from checkpointq.tasks.producer.client import CheckpointClient, Handle
 from checkpointq.tasks.producer.clock import SeqClock
 from checkpointq.tasks.producer.pending import Settlement, Settler
 from checkpointq.tasks.runtime import Runtime
 from tests.history.clock import SharedClock
+from tests.postgres.proxy import Proxy
 from tests.support.checkpoints import make_checkpoint
 from tests.support.envelopes import protocol2
 from tests.support.postgres import PostgresServer
@@ -76,6 +81,24 @@ SESSIONS = ("s1", "s:2{*}")
 #: their deadlines, until a load gives it a fence to stamp after).
 PRODUCERS = (("a", 0.0), ("b", -3.0), ("c", 4.0), ("fast", 8.0), ("slow", -45.0))
 HEALTHY = frozenset({"a", "b", "c"})
+
+#: Seconds a write waits for the standby's flush (``replicated``, the default durability):
+#: short, so that a history with the standby cut off moves on.
+REPLICATION_TIMEOUT_S = 0.2
+
+#: Milliseconds a group waits on a held row (1,000 in a deployment): short, for the same.
+LOCK_TIMEOUT_MS = 100
+
+#: ``apply_group``'s and ``apply_each``'s arguments (store/sql/v2.sql), to move them.
+_GROUP_ARGS = (
+    "integer, bigint, bigint, text[], bytea[], bigint[], bytea[], bytea[], bigint[], "
+    "text[], jsonb[]"
+)
+
+#: Encrypted worlds (issue 41): the workers and the even producers seal under "new", the odd
+#: ones under "old" (a rotation under way); every one holds both keys.
+_OLD, _NEW = ("old", bytes(range(32))), ("new", bytes(range(32, 64)))
+NEW_FIRST, OLD_FIRST, NEW_ONLY = Keyring([_NEW, _OLD]), Keyring([_OLD, _NEW]), Keyring([_NEW])
 
 #: Workers: the first applies groups (the coalesced path), the second runs each request as
 #: the single task it is.
@@ -189,6 +212,9 @@ class History:
     #: (session, request id, seq) of each dead letter, read once the workers drained.
     dead_letters: list[tuple[str | None, str | None, int | None]] = field(default_factory=list)
     final: dict[str, Final] = field(default_factory=dict)
+    #: Encrypted worlds: what a store holding the new key alone loads differently, once a
+    #: last rekey ran after the drain (nothing, if rotation loses nothing).
+    rekey_losses: list[str] = field(default_factory=list)
     end_us: int = 0
     #: An exception a step raised (itself a failure: no step may raise).
     crash: str | None = None
@@ -222,9 +248,39 @@ class Servers:
         self.broker = RedisServer(env=env).start()
         self.store = RedisServer(env=env).start()
         self.postgres: PostgresServer | None = None
+        #: A streaming standby of ``postgres`` (with a replication slot), made again after
+        #: each promotion; and the address the stores reach the primary by, which moves.
+        self.standby: PostgresServer | None = None
+        self.proxy: Proxy | None = None
+        self._env = env
         if postgres:
             self.postgres = PostgresServer(env=env).start()
             self._check_postgres_follows_the_clock()
+            self.proxy = Proxy(self.postgres.port)
+
+    @property
+    def store_url(self) -> str:
+        """The PostgreSQL store's URL: the proxy in front of the current primary."""
+        assert self.proxy is not None
+        return self.proxy.url()
+
+    def ensure_standby(self) -> PostgresServer:
+        """The primary's streaming standby, made (``pg_basebackup``) if there is none."""
+        assert self.postgres is not None
+        if self.standby is None:
+            self.standby = PostgresServer(
+                env=self._env, standby_of=self.postgres, slot="history"
+            ).start()
+        return self.standby
+
+    def fail_over(self) -> None:
+        """The primary crashes; its standby, promoted with what it has, takes its address."""
+        assert self.postgres is not None and self.standby is not None and self.proxy
+        old, self.postgres, self.standby = self.postgres, self.standby, None
+        old.cleanup()
+        self.postgres.promote()
+        self.proxy.retarget(self.postgres.port)
+        self.proxy.drop_all()
 
     def _check_postgres_follows_the_clock(self) -> None:
         """An hour's jump must show in ``clock_timestamp()`` at once: a preload the server
@@ -246,8 +302,11 @@ class Servers:
     def close(self) -> None:
         self.broker.cleanup()
         self.store.cleanup()
-        if self.postgres is not None:
-            self.postgres.cleanup()
+        if self.proxy is not None:
+            self.proxy.close()
+        for server in (self.standby, self.postgres):
+            if server is not None:
+                server.cleanup()
         self.clock.close()
 
 
@@ -256,6 +315,9 @@ class World:
 
     ``postgres``: the store is a ``PostgresStore`` (``servers`` must run PostgreSQL), and
     ``store_client`` is the broker's Redis, where the dead letters go.
+
+    ``encrypted``: values are sealed (``NEW_FIRST``, ``OLD_FIRST``), and ``rekey`` steps
+    rewrite the store under the new key beside everything else.
     """
 
     def __init__(
@@ -265,6 +327,7 @@ class World:
         one_redis: bool,
         settle_source: str | None = None,
         postgres: bool = False,
+        encrypted: bool = False,
     ):
         self.servers = servers
         self.clock = servers.clock
@@ -275,16 +338,22 @@ class World:
         self.broker_url, self.store_url = servers.broker.url, store_server.url
         self.broker: redis.Redis = servers.broker.client()
         self.store_client: redis.Redis = store_server.client()
-        self.options = StoreOptions(ttl_seconds=TTL_S, tombstone_ttl_seconds=MARGIN_S)
+        self.encrypted = encrypted
+        self.options = StoreOptions(
+            ttl_seconds=TTL_S,
+            tombstone_ttl_seconds=MARGIN_S,
+            encryption=NEW_FIRST if encrypted else None,
+        )
         self.sql: psycopg.Connection[Any] | None = None
         if postgres:
             if servers.postgres is None:
                 raise ValueError("a PostgreSQL world needs Servers(postgres=True)")
-            self.store_url = servers.postgres.url
+            self.store_url = servers.store_url
             schema_maker = PostgresStore(self.store_url, schema=SCHEMA)
             schema_maker.ping()  # creates the schema, as any store's first use would
             schema_maker.close()
-            self.sql = psycopg.connect(self.store_url, autocommit=True)
+        #: Another client's transaction holding session rows (``lock``), by session.
+        self.holders: dict[str, psycopg.Connection[Any]] = {}
         self.app = Celery("history", set_as_current=False)
         checkpoints.register(self.app)
         #: A settle.lua of another rule (a broken variant, to show the checker finds it).
@@ -294,6 +363,7 @@ class World:
         """Close the world's own connections (a run's stores close at its end)."""
         if self.sql is not None:
             self.sql.close()
+        self._unlock_all()
 
     # -- a run ------------------------------------------------------------------------------
 
@@ -301,14 +371,18 @@ class World:
         """Play ``actions`` from a clean world, then drain; the history of what was seen."""
         self.broker.flushall()
         self.broker.script_flush()
-        if self.sql is not None:
-            self.sql.execute(f"TRUNCATE {SCHEMA}.sessions")
+        if self.postgres:
+            self._reset_postgres()
         elif not self.one_redis:
             self.store_client.flushall()
         self.history = History(self.one_redis, list(actions), postgres=self.postgres)
         self.versions = 0
-        self.clients = {name: self._client(skew) for name, skew in PRODUCERS}
+        self.clients = {
+            name: self._client(skew, OLD_FIRST if i % 2 else NEW_FIRST)
+            for i, (name, skew) in enumerate(PRODUCERS)
+        }
         self.handles: list[Request] = []
+        self.snapshot: tuple[int, dict[Any, tuple[bytes, int]]] | None = None
         self.held: list[list[_Held]] = [[] for _ in range(WORKERS)]
         store = self._new_store()
         settler = (
@@ -326,6 +400,7 @@ class World:
                 retry=RetryPolicy(max_retries=0, base_seconds=0.001, max_seconds=0.001),
                 max_seq_ahead_us=int(LIMIT_S * 1_000_000),
                 pending=settler,
+                queue=QUEUE,
             )
         )
         self.store = store
@@ -344,19 +419,41 @@ class World:
         self.history.end_us = self.clock.now_us()
         return self.history
 
-    def _new_store(self) -> CheckpointStore:
-        """A store of this world's kind on its own connections, judging by its clock."""
+    def _reset_postgres(self) -> None:
+        """A clean database for the next history: the schema back, no lock held, a standby
+        streaming (made again if the last history promoted it), no row."""
+        self._unlock_all()
+        self.servers.ensure_standby().reconnect()
+        if self.sql is None or self.sql.closed or self.sql.broken:
+            self.sql = psycopg.connect(self.store_url, autocommit=True)
+        self.sql.execute(f"TRUNCATE {SCHEMA}.sessions")
+        self._schema(0)
+
+    def _new_store(self, keys: Keyring | None = None) -> CheckpointStore:
+        """A store of this world's kind on its own connections, judging by its clock (in an
+        encrypted world, sealing under ``keys``' first key: by default the workers')."""
         store: CheckpointStore
+        options = self.options
+        if self.encrypted and keys is not None:
+            options = StoreOptions(
+                ttl_seconds=TTL_S, tombstone_ttl_seconds=MARGIN_S, encryption=keys
+            )
         if self.postgres:
-            store = PostgresStore(self.store_url, schema=SCHEMA, options=self.options)
+            store = PostgresStore(
+                self.store_url,
+                schema=SCHEMA,
+                options=options,
+                replication_timeout=REPLICATION_TIMEOUT_S,
+                lock_timeout_ms=LOCK_TIMEOUT_MS,
+            )
         else:
-            store = RedisStore.from_url(self.store_url, prefix=PREFIX, options=self.options)
+            store = RedisStore.from_url(self.store_url, prefix=PREFIX, options=options)
         store.clock = self.clock.now
         return store
 
-    def _client(self, skew_s: float) -> CheckpointClient:
+    def _client(self, skew_s: float, keys: Keyring) -> CheckpointClient:
         skew_us = int(skew_s * 1_000_000)
-        store = self._new_store()
+        store = self._new_store(keys)
         return CheckpointClient(
             self.broker_url,
             store,
@@ -375,15 +472,19 @@ class World:
     def _pick(items: Sequence[Any], index: int) -> Any:
         return items[index % len(items)]
 
-    def _load(self, producer: int, session: int) -> None:
+    def _load(self, producer: int, session: int) -> bool:
         name, _ = self._pick(PRODUCERS, producer)
         sid = self._pick(SESSIONS, session)
         client = self.clients[name]
         start = self.clock.now_us()
-        checkpoint, fence = client.load_with_fence(sid)
+        try:
+            checkpoint, fence = client.load_with_fence(sid)
+        except PendingRecordMissing:
+            return False  # its record dropped (``_drop``): it refuses, and says why
         end = self.clock.now_us()
         version = None if checkpoint is None else checkpoint.version
         self.history.reads.append(Read(name, sid, start, end, fence, version))
+        return True
 
     def _save(self, producer: int, session: int, staged: int = 1, loaded: int = 1) -> None:
         self._publish(producer, session, deleted=False, staged=bool(staged), loaded=bool(loaded))
@@ -394,8 +495,8 @@ class World:
     def _publish(
         self, producer: int, session: int, *, deleted: bool, staged: bool, loaded: bool
     ) -> None:
-        if loaded:  # the apiserver's turn: load, then save (or delete) after what it read
-            self._load(producer, session)
+        if loaded and not self._load(producer, session):
+            return  # the apiserver's turn: load, then save (or delete) after what it read
         name, _ = self._pick(PRODUCERS, producer)
         sid = self._pick(SESSIONS, session)
         client = self.clients[name]
@@ -431,7 +532,10 @@ class World:
     def _list(self, producer: int) -> None:
         name, _ = self._pick(PRODUCERS, producer)
         start = self.clock.now_us()
-        listed = self.clients[name].list()
+        try:
+            listed = self.clients[name].list()
+        except PendingRecordMissing:
+            return  # records dropped (``_drop``): it refuses, and says why
         self.history.listings.append(Listing(name, start, self.clock.now_us(), listed))
 
     def _outcome(self, request: int) -> None:
@@ -508,22 +612,113 @@ class World:
             return
         if index == 0:
             requests = [(h.task, h.task_id, h.body, h.headers, h.delivery_info) for h in todo]
-            for held, settled in zip(todo, coalesced.apply_requests(requests), strict=True):
+            try:
+                done: list[Settlement | None] = coalesced.apply_requests(requests)
+            except StoreUnavailable:
+                done = [None] * len(todo)  # the group failed: each runs as its task
+            for held, settled in zip(todo, done, strict=True):
                 if settled is None:
-                    self._run_as_task(held)
+                    self._run_as_task(index, held)
                 else:
                     held.applied, held.settlement = True, settled
         else:
             for held in todo:
-                self._run_as_task(held)
+                self._run_as_task(index, held)
 
-    def _run_as_task(self, held: _Held) -> None:
+    def _run_as_task(self, worker: int, held: _Held) -> None:
         parsed = messages.parse_body(held.body)
         args, kwargs = parsed if parsed is not None else ([], {})
+        session = messages.requested_session(held.task, args, kwargs)
+        if session in self.holders:
+            return  # its row is held: it retries on its own, later (SessionBusy)
         result = self.app.tasks[held.task].apply(args=args, kwargs=kwargs, task_id=held.task_id)
+        if result.state == states.REJECTED:
+            self._requeue(worker, held)  # the store refuses writes: back to the queue
+            return
         if result.failed():
             raise RuntimeError(f"{held.task} [{held.task_id}] raised: {result.traceback}")
         held.applied = held.settled = True  # the task path settles before it returns
+
+    def _requeue(self, worker: int, held: _Held) -> None:
+        """kombu's reject with requeue: the message back in the queue, out of ``unacked``."""
+        payload = self.broker.hget("unacked", held.tag)
+        self.broker.hdel("unacked", held.tag)
+        self.broker.zrem("unacked_index", held.tag)
+        self.held[worker] = [h for h in self.held[worker] if h is not held]
+        if payload is not None:
+            self.broker.rpush(QUEUE, json.dumps(json.loads(payload)[0]))
+
+    # -- the database (PostgreSQL worlds) ---------------------------------------------------
+
+    def _lock(self, session: int) -> None:
+        """Another client holds the session's row (``SELECT ... FOR UPDATE`` in a transaction
+        left open) until ``unlock``: the workers apply every other session meanwhile."""
+        sid = self._pick(SESSIONS, session)
+        if not self.postgres or sid in self.holders:
+            return
+        holder = psycopg.connect(self.store_url, application_name="history-lock")
+        holder.execute(
+            f"SELECT 1 FROM {SCHEMA}.sessions"
+            f" WHERE session_key = {SCHEMA}.session_key(%s) FOR UPDATE",
+            (sid.encode(),),
+        )
+        self.holders[sid] = holder
+
+    def _unlock(self) -> None:
+        self._unlock_all()
+
+    def _unlock_all(self) -> None:
+        for holder in self.holders.values():
+            if not holder.closed:
+                holder.close()  # its transaction rolls back
+        self.holders = {}
+
+    def _schema(self, newer: int = 1) -> None:
+        """A rolling upgrade moves the schema under the workers (a newer version whose
+        ``apply_group`` takes other arguments), or (``newer`` 0) it comes back."""
+        if not self.postgres or self.sql is None:
+            return
+        moved = bool(
+            self.sql.execute(
+                f"SELECT count(*) FROM {SCHEMA}.schema_version WHERE version = 3"
+            ).fetchone()[0]  # type: ignore[index]
+        )
+        if bool(newer % 2) == moved:
+            return
+        suffix_from, suffix_to = ("", "_v3") if newer % 2 else ("_v3", "")
+        version = (
+            f"INSERT INTO {SCHEMA}.schema_version (version) VALUES (3)"
+            if newer % 2
+            else f"DELETE FROM {SCHEMA}.schema_version WHERE version = 3"
+        )
+        with self.sql.transaction():
+            self.sql.execute(version)
+            for name in ("apply_group", "apply_each"):
+                self.sql.execute(
+                    f"ALTER FUNCTION {SCHEMA}.{name}{suffix_from}({_GROUP_ARGS}) "
+                    f"RENAME TO {name}{suffix_to}"
+                )
+
+    def _lag(self, on: int = 1) -> None:
+        """The standby stops receiving WAL (``on``), or streams again."""
+        if not self.postgres or self.servers.standby is None:
+            return
+        if on % 2:
+            self.servers.standby.disconnect()
+        else:
+            self.servers.standby.reconnect()
+
+    def _promote(self) -> None:
+        """The primary crashes and its standby, promoted with what it had, takes its address
+        (the workers' and producers' connections are cut; the next history gets a new
+        standby)."""
+        if not self.postgres or self.servers.standby is None:
+            return
+        self._unlock_all()
+        if self.sql is not None:
+            self.sql.close()
+        self.servers.fail_over()
+        self.sql = psycopg.connect(self.store_url, autocommit=True)
 
     def _settle(self, worker: int) -> None:
         """settle.lua for the group's applied requests (the coalesced path's, riding its
@@ -567,8 +762,24 @@ class World:
     def _sweep(self) -> None:
         """The periodic sweep (the ``expire_stale`` task's body, under its lock): a
         PostgreSQL store clears due values and forgets spent fences in it, where Redis lets
-        its keys expire on their own."""
-        checkpoints.expire_stale()
+        its keys expire on their own. A store that refuses writes (a schema moved) fails it:
+        the task retries later, as beat's next tick would."""
+        try:
+            checkpoints.expire_stale()
+        except StoreUnavailable:
+            return
+
+    def _rekey(self) -> None:
+        """``checkpointq rekey``, one session a page, run to its end between two steps (an
+        encrypted world's): each rewrite is fenced like any write. A store that refuses
+        writes fails it, as the command would fail and be run again."""
+        if not self.encrypted:
+            return
+        try:
+            for _ in rekey(self.store, page_size=1):
+                pass
+        except StoreUnavailable:
+            return
 
     def _advance(self, milliseconds: int) -> None:
         self.clock.advance(max(0, milliseconds) * 1000)
@@ -589,11 +800,73 @@ class World:
         self.broker.flushall()
         self.broker.script_flush()
 
+    def _lost_now(self) -> set[str]:
+        """The requests not applied yet: what a loss of the broker's data takes."""
+        lost = set()
+        for request in self.handles:
+            fence = self.store.fence(request.session)
+            if fence is None or fence.key < request.key:
+                lost.add(request.request_id)
+        return lost
+
+    def _purge(self) -> None:
+        """``celery purge``: the queue deleted, the records and ``unacked`` left. The queued
+        requests are lost (those a worker holds still land); the sweep settles their
+        records as lost (``tasks/orphans.py``, run at the end)."""
+        queued = orphans.message_ids(bytes(m) for m in self.broker.lrange(QUEUE, 0, -1))  # type: ignore[arg-type]
+        lost = {r for r in self._lost_now() if r.split(":")[0].encode() in queued}
+        self.history.losses.append(Loss(self.clock.now_us(), lost))
+        self.broker.delete(QUEUE)
+
+    def _drop(self) -> None:
+        """An operator's ``DEL`` of the pending-request hashes (or their eviction), the
+        messages left queued: loads refuse until the workers settle them; nothing is lost."""
+        keys = [self.keys.pending_requests(sid) for sid in SESSIONS]
+        self.broker.delete(*keys)
+
+    def _snapshot(self) -> None:
+        """What a replica (or the AOF on disk) holds of the broker now."""
+        if self.one_redis or self.postgres:
+            return
+        snapshot = {}
+        for key in self.broker.scan_iter(count=1000):
+            dumped = self.broker.dump(key)
+            if dumped is not None:
+                snapshot[key] = (dumped, int(self.broker.pexpiretime(key)))
+        self.snapshot = (self.clock.now_us(), snapshot)
+
+    def _rewind(self) -> None:
+        """The broker goes back to the last snapshot: a crash inside its fsync window, a
+        failover to a replica that lagged (two-Redis worlds: in a one-Redis world the store
+        would go back too; beside PostgreSQL the dead letters live on the broker). What it
+        accepted since and no worker applied is lost, unless its producer publishes it
+        again (issue 44)."""
+        if self.one_redis or self.postgres or self.snapshot is None:
+            return
+        self.history.losses.append(Loss(self.clock.now_us(), self._lost_now()))
+        self.broker.flushall()
+        now_ms = self.clock.now_us() // 1000
+        for key, (dumped, expires) in self.snapshot[1].items():
+            if expires == -1:
+                self.broker.restore(key, 0, dumped, replace=True)
+            elif expires > now_ms:
+                self.broker.restore(key, expires, dumped, replace=True, absttl=True)
+
     # -- the end --------------------------------------------------------------------------
 
     def drain(self, rounds: int = 40) -> None:
         """Let the workers finish everything: take, apply, settle, acknowledge; restore what
-        crashed workers left once the visibility timeout passed."""
+        crashed workers left once the visibility timeout passed. (The database's faults end
+        first: rows released, the schema back, the standby streaming.)"""
+        if self.postgres:
+            self._unlock_all()
+            self._schema(0)
+            self._lag(0)
+        for client in self.clients.values():
+            # Each producer's next call: one that finds the broker lost accepted requests
+            # publishes again what it still holds (issue 44), for the workers to drain.
+            with contextlib.suppress(PendingRecordMissing):  # records dropped: it refuses
+                client.load_with_fence(SESSIONS[0])
         for _ in range(rounds):
             for worker in range(WORKERS):
                 self._take(worker, 50)
@@ -601,10 +874,21 @@ class World:
                 self._settle(worker)
                 self._ack(worker)
             if self.broker.llen(QUEUE) == 0 and self.broker.hlen("unacked") == 0:
+                self._reap()
                 return
             self._advance(int(VISIBILITY_S * 1000) + 1000)
             self._restore()
         raise RuntimeError("the workers did not drain the queue")
+
+    def _reap(self) -> None:
+        """The sweeps after the grace: records whose message is gone (a purge) settled as
+        lost, two passes as two sweeps would (tasks/orphans.py)."""
+        rt = runtime.current()
+        for _ in range(2):
+            # (no grace: nothing is on its way any more; producer clocks run up to LIMIT_S ahead)
+            orphans.reap(
+                self.broker, self.keys, QUEUE, rt.store, rt.dead_letters, grace_seconds=-LIMIT_S
+            )
 
     def read_final(self) -> None:
         reader = self.clients["a"]
@@ -617,11 +901,35 @@ class World:
                 None if stored is None else stored.version,
                 None if loaded is None else loaded.version,
             )
+        if self.encrypted:
+            self._rekey_and_drop_the_old_key()
         for letter in DeadLetters(self.store_client, self.keys).list(count=10_000).entries:
             args, kwargs = letter.args or [], letter.kwargs or {}
             session = messages.requested_session(letter.task, args, kwargs)
             seq = messages.requested_seq(args, kwargs)
             self.history.dead_letters.append((session, letter.task_id, seq))
+
+    def _rekey_and_drop_the_old_key(self) -> None:
+        """Rekey once more, then load every session with the new key alone: each must load
+        as the workers' store does (rotation loses nothing)."""
+        for _ in rekey(self.store):
+            pass
+        new_only = self._new_store(NEW_ONLY)
+        try:
+            for sid in SESSIONS:
+                stored = self.store.load(sid)
+                try:
+                    alone = new_only.load(sid)
+                except MissingEncryptionKey as exc:
+                    self.history.rekey_losses.append(f"{sid}: {exc}")
+                    continue
+                if alone != stored:
+                    self.history.rekey_losses.append(
+                        f"{sid}: the new key alone loads {alone and alone.version}, the store "
+                        f"holds {stored and stored.version}"
+                    )
+        finally:
+            new_only.close()
 
 
 class VariantSettler(Settler):

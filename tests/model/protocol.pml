@@ -20,6 +20,18 @@
  *   STORE_FIRST_LOAD         a two-step load reads the store first, then the broker
  *   LOAD_DEADLINE_AT_BROKER_READ  a pending save's deadline judged at the broker read
  *   (with PROCESS_FLOOR and OK_TWO_SESSIONS for hole 1)
+ *   NO_RECORD_COUNTS         loads do not compare a session's entries with its count
+ *   SWEEP_QUEUE_ONLY         the sweep takes a message in unacked for gone
+ *   NO_MARK                  producers compare epochs only, not marks (before issue 44)
+ *   EXACT_SETTLE             (a fix, not the code) a settle counts a missing entry only if
+ *                            it is its own: the settled ids behind the count
+ * The broker's faults of issue 44 (README.md, "The broker's faults"), each a -D macro:
+ *   SUFFIX_LOSS              the loss may also be of a suffix (the broker goes back in time)
+ *   WINDOW=w                 producers detect a loss (epoch, mark) and publish again their
+ *                            accepted requests of the last w ticks (the recovery window)
+ *   DETECT                   producers detect (and count) a loss, without a window
+ *   RECORD_LOSS              one pending entry lost without its message (counts, refusal)
+ *   PURGE                    one purge of the queue; the sweep settles orphans as lost
  * Scope knobs: NREQ and the cast Q_OK, Q_AHEAD, Q_SLOW, Q_FAST, Q_EVIL; OK_STAGED_ONLY,
  * OK_TWO_SESSIONS, TTL, TMAX, NW, LOSSES, CRASHES (README.md, "Scope"). Explorations beyond
  * the spec: HIJACK_SAME_SESSION, STRICT_FENCE (README.md, "Findings").
@@ -34,7 +46,20 @@
  *   store writes           store/lua/save.lua, store/lua/delete.lua (ARGV[5] '2': a lapse)
  *   settle                 tasks/lua/settle.lua (v2: HDEL of the request's own entry)
  *   wait_durable           tasks/producer/outcomes.py
+ *   detection, window      tasks/producer/pending.py (EpochWatch, RecentPublishes, recover);
+ *                          clients/go/pending.go (epochs), recent.go
+ *   sweep of orphans       tasks/orphans.py
  */
+
+#ifdef WINDOW
+#define DETECT
+#endif
+#ifdef NO_RECORD_COUNTS
+#define RECORD_LOSS
+#endif
+#ifdef SWEEP_QUEUE_ONLY
+#define PURGE
+#endif
 
 #ifndef NREQ
 #define NREQ 3          /* requests in a run (saves and deletes, refused ones included) */
@@ -88,6 +113,7 @@
 #define UNACKED 2
 #define ACKED 3
 #define LOST 4          /* lost with the broker's data */
+#define PURGED 5        /* deleted from the queue by a purge (its record stays) */
 
 byte now;               /* the servers' clock, ticks */
 byte nreq;              /* slots handed out */
@@ -133,6 +159,46 @@ bit mid[NP];
 byte used[NP];          /* requests made so far, per producer */
 byte crashes;
 
+#ifdef DETECT
+/* broker: publish.lua's mark (a counter every publish advances) and epoch (0: none, as after
+ * a loss of everything; a fresh token from ntok otherwise) */
+byte mark, epoch, ntok;
+byte r_mk[NSL];         /* the mark of the request's latest publish */
+byte r_at[NSL];         /* the tick of its publish: its age in the recovery window */
+/* producers (EpochWatch / epochs): the epoch seen (0 none, LOSTE after a loss), the highest
+ * mark seen in it, a mark seen before the broker went back below it and not yet reported;
+ * whether it counted a loss */
+#define LOSTE 255
+byte pe[NP], pm[NP], pu[NP];
+bit lc[NP];
+#endif
+#ifdef WINDOW
+bit back[NSL];          /* republished while a worker held a delivery from before the loss */
+#define BACK(q) (back[q] && ENTRY_OF(q))
+#else
+#define BACK(q) false
+#endif
+#ifdef RECORD_LOSS
+byte cnt[NSS];          /* publish.lua's pending counts: entries written and not settled */
+byte idx[NSS];          /* the pending index: the latest deadline published (0: none) */
+bit rlost;              /* the one entry lost without its message happened */
+#ifdef EXACT_SETTLE
+bit elost[NSL];         /* its entry was lost (the settled ids a fix would keep) */
+#endif
+#endif
+#ifdef PURGE
+bit purged;             /* the one purge happened */
+bit lostrec[NSL];       /* the sweep settled it as lost (a refusal record of kind lost) */
+#define PURGED_ON(q) (msg[q] == PURGED && ENTRY_OF(q))
+#else
+#define PURGED_ON(q) false
+#endif
+/* a request's own entry is on the broker (a load may serve it, by design) */
+#define ENTRY_OF(q) (e_on[KSE(q)] && e_slot[KSE(q)] == (q))
+/* which requests an answer may come from besides those that count: one republished while a
+ * worker held it, or one purged whose entry the sweep has not settled yet */
+#define SERVABLE(q) (BACK(q) || PURGED_ON(q))
+
 #ifdef HIJACK_SAME_SESSION
 #define HIJACK_SAME true
 #else
@@ -154,8 +220,10 @@ hidden byte hq, hw, hm, hs, ht, hc;
 hidden byte hv;
 hidden short hk, hseq, hcp;
 hidden byte hok, hquiet;
+hidden byte hd, hse, hsm, hb, hr, hn;
 /* one per assertion, so that a violation names its invariant */
 hidden byte a_value_ok, a_no_lost_write, b_deletes_stick, d_publish_refusal, d_worker_refusal, d_applied_true, d_refused_true, c_final_state;
+hidden byte e_detected, d_lost_true;
 
 /* ------------------------------------------------------------------------------------ */
 /* Loads (tasks/lua/load_pending.lua, store/lua/load.lua, the client's merge)            */
@@ -177,6 +245,18 @@ hidden byte a_value_ok, a_no_lost_write, b_deletes_stick, d_publish_refusal, d_w
      :: else -> ak = sk; ac = sc; at = ts fi
 #endif
 
+/* read_pending.lua's 'missing': fewer entries left in E[s] than its count says (one lost
+ * without its message): the load refuses (bk = -1), never serving the store's older answer. */
+#if defined(RECORD_LOSS) && !defined(NO_RECORD_COUNTS)
+#define MISSING(s, bk, bc) \
+  hn = 0; \
+  for (hq : 1 .. NREQ) { if :: e_on[hq] && r_s[e_slot[hq]] == s -> hn++ :: else fi }; \
+  if :: idx[s] > now && cnt[s] > hn -> bk = -1; bc = 0 :: else fi; \
+  hq = 0
+#else
+#define MISSING(s, bk, bc) skip
+#endif
+
 /* The broker's half: the max entry m of E[s] by key, and its value if a save (V[s, m.req]).
  * bk = 0: no entry. Whether m is past its deadline is judged when the two halves merge, by
  * the server clock at the store read (see MERGE below). */
@@ -192,8 +272,11 @@ inline broker_read(s, bk, bc) {
   if
   :: bk != 0 && r_op[hm] == SAVE && LIVE_AT_BROKER_READ(hm) && v_on[KSV(hm)] -> bc = v_slot[KSV(hm)]
   :: else -> bc = 0
-  fi
+  fi;
+  MISSING(s, bk, bc)
 }
+
+
 
 
 
@@ -216,11 +299,19 @@ inline store_read(s, sk, sc) {
  * fault, not lost with the broker's data before it was applied. */
 #define COUNTS(q) (st[q] == ACCEPTED && !own[q] && (!exempt[q] || hit[q]))
 
+#ifdef DETECT
+#define ED true
+#define LOSS_COUNTED(p) lc[p]
+#else
+#define ED false
+#define LOSS_COUNTED(p) false
+#endif
+
 /* Invariants (a) and (b) for one load of session s that answered key ak with value ac
  * (0: absent), the value judged live at tick at; mask: the requests accepted when it
  * started; cmask: those that counted then (a request lost or refused while the load ran
  * may still be its answer: it was pending when the load read the broker). */
-inline check_load(s, ak, ac, at, mask, cmask) {
+inline check_load(s, ak, ac, at, mask, cmask, xmask, who) {
   /* a value answer is the value of the request the load names, of this session, live */
   if
   :: ac != 0 ->
@@ -231,8 +322,8 @@ inline check_load(s, ak, ac, at, mask, cmask) {
   fi;
   for (hw : 1 .. NREQ) {
     if
-    :: st[hw] == ACCEPTED && (mask & (1 << hw)) && r_s[hw] == s && !exempt[hw] && !own[hw] &&
-       PROTECTED(hw) ->
+    :: st[hw] == ACCEPTED && (mask & (1 << hw)) && r_s[hw] == s && !own[hw] && PROTECTED(hw) &&
+       ((!exempt[hw] && !(xmask & (1 << hw))) || (ED && exempt[hw] && !hit[hw] && r_p[hw] == who)) ->
        if
        :: ac != 0 -> hok = (r_key[ac] >= r_key[hw])
        :: else ->
@@ -241,14 +332,24 @@ inline check_load(s, ak, ac, at, mask, cmask) {
           hok = false;
           for (hq : 1 .. NREQ) {
             if
-            :: (COUNTS(hq) || (cmask & (1 << hq))) && r_s[hq] == s && r_key[hq] >= r_key[hw] &&
-               (r_op[hq] == DEL || r_dl[hq] <= now) -> hok = true
+            :: (COUNTS(hq) || (cmask & (1 << hq)) || hq == hw || SERVABLE(hq)) && r_s[hq] == s &&
+               r_key[hq] >= r_key[hw] && (r_op[hq] == DEL || r_dl[hq] <= now) -> hok = true
             :: else
             fi
           }
        fi;
-       if :: !hok -> printf("VIOLATION (a): a load of s%d answered seq %d req %d value #%d: accepted #%d (seq %d) is lost\n", s, SEQ_OF(ak), REQ_OF(ak), ac, hw, r_seq[hw]) :: else fi;
-       a_no_lost_write = hok; assert(a_no_lost_write)    /* (a) no accepted write lost */
+       if
+       :: !exempt[hw] ->
+          if :: !hok -> printf("VIOLATION (a): a load of s%d answered seq %d req %d value #%d: accepted #%d (seq %d) is lost\n", s, SEQ_OF(ak), REQ_OF(ak), ac, hw, r_seq[hw]) :: else fi;
+          a_no_lost_write = hok; assert(a_no_lost_write)    /* (a) no accepted write lost */
+       :: else ->
+          /* (e) a producer's load that misses one of its own accepted requests, lost with
+           * the broker's data and not published again, is made by a producer that counted
+           * a loss: the loss is detected, never silently stale */
+          hok = hok || LOSS_COUNTED(who);
+          if :: !hok -> printf("VIOLATION (e): P%d's load of s%d misses its own #%d, lost with the broker's data, and P%d counted no loss\n", who, s, hw, who) :: else fi;
+          e_detected = hok; assert(e_detected)     /* (e) a loss of accepted requests is detected */
+       fi
     :: else
     fi
   }
@@ -265,8 +366,104 @@ inline check_load(s, ak, ac, at, mask, cmask) {
        fi
      }
   :: else
+  fi;
+  hw = 0
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Detection and recovery (pending.py EpochWatch, RecentPublishes; Go epochs, recent.go)  */
+
+#ifdef NO_MARK
+#define NO_MARK_CHECK true   /* before issue 44: only a changed epoch is a loss */
+#else
+#define NO_MARK_CHECK false
+#endif
+#ifdef DETECT
+/* EpochWatch.observe: one reply's epoch e and mark m (below: a mark under it shows the
+ * broker went back in time). hd: the reply shows a loss not counted before. */
+inline observe(p, e, m, below) {
+  hd = 0;
+  if
+  :: pe[p] == 0 || pe[p] == LOSTE ->
+     if :: e != 0 -> pe[p] = e; pm[p] = m :: else fi
+  :: else ->
+     if
+     :: e == pe[p] ->
+        if
+        :: m >= below || NO_MARK_CHECK -> if :: m > pm[p] -> pm[p] = m :: else fi
+        :: else -> if :: pm[p] > pu[p] -> pu[p] = pm[p] :: else fi; pm[p] = m; hd = 1
+        fi
+     :: else ->
+        /* turned by the report of a loss this producer found: counted already */
+        hd = (pu[p] == 0);
+        pe[p] = ((e == 0) -> LOSTE : e); pm[p] = m; pu[p] = 0
+     fi
+  fi;
+  if :: hd -> lc[p] = 1; printf("t%d P%d finds the broker lost accepted requests\n", now, p) :: else fi
+}
+
+/* publish.lua's mark and epoch for an accepted push of request i by p, and the reply: the
+ * producer sends the epoch and the highest mark it saw; a mark now at or below it means
+ * the broker went back in time, and the epoch turns (for every client to see). */
+inline push_mark(p, i) {
+  hse = ((pe[p] == LOSTE) -> 0 : pe[p]);
+  hsm = ((pu[p] > pm[p]) -> pu[p] : pm[p]);
+  hb = pm[p] + 1;
+  mark++; r_mk[i] = mark;
+  if
+  :: epoch == 0 -> ntok++; epoch = ntok
+  :: epoch != 0 && epoch == hse && mark <= hsm -> ntok++; epoch = ntok
+  :: else
+  fi;
+  observe(p, epoch, mark, hb)
+}
+#endif
+
+/* publish.lua's records for request i: its entry (a new one counted), a save's value */
+inline push_records(i) {
+  hq = KSE(i);
+#ifdef RECORD_LOSS
+  if :: !e_on[hq] -> cnt[r_s[i]]++ :: else fi;
+  if :: r_dl[i] > idx[r_s[i]] -> idx[r_s[i]] = r_dl[i] :: else fi;
+#endif
+  e_on[hq] = 1; e_slot[hq] = i;
+  if
+  :: r_op[i] == SAVE -> hq = KSV(i); v_on[hq] = 1; v_slot[hq] = i
+  :: else
   fi
 }
+
+#ifdef WINDOW
+#define HELD(q) (wcur[0] == (q) || (NW > 1 && wcur[NW - 1] == (q)))
+/* recover: publish again, oldest first, p's accepted requests of the last WINDOW ticks
+ * (each the same request: same id and stamp). One the broker refuses (past its deadline
+ * now) is skipped. A republished request counts again: it is back on the broker. */
+inline recover(p) {
+  for (hr : 1 .. NREQ) {
+    if
+    :: r_p[hr] == p && st[hr] == ACCEPTED && r_at[hr] + WINDOW >= now ->
+       printf("t%d P%d republishes ", now, p); say(hr);
+       if
+       :: r_dl[hr] <= now -> printf(" -> refused (past its deadline)\n")
+       :: else ->
+          printf(" -> accepted\n");
+          if :: msg[hr] != QUEUED && msg[hr] != UNACKED -> msg[hr] = QUEUED :: else fi;
+          /* back on the broker, it counts again; unless a worker still holds a delivery
+           * of it from before the loss, whose settle may remove the republished entry
+           * and value (README.md, finding 6) */
+          if :: !HELD(hr) -> exempt[hr] = 0 :: else -> back[hr] = 1 fi;
+          push_records(hr);
+          push_mark(p, hr)
+       fi
+    :: else
+    fi
+  }
+  hr = 0; hd = 0
+}
+#define RECOVER(p) if :: hd -> recover(p) :: else fi
+#else
+#define RECOVER(p) skip
+#endif
 
 /* for trails (spin -t): "#slot (session op seq req deadline)" */
 inline say(i) {
@@ -393,13 +590,14 @@ inline stamp_and_publish(p, i) {
   :: else ->
      printf(" -> accepted\n");
      st[i] = ACCEPTED; msg[i] = QUEUED;
-     hq = KSE(i); e_on[hq] = 1; e_slot[hq] = i;
      /* E[s] expires at the max deadline of its entries (see the clock) */
      /* every save's value goes to V[s, req] (a staged save's message carries none) */
-     if
-     :: r_op[i] == SAVE -> hq = KSV(i); v_on[hq] = 1; v_slot[hq] = i
-     :: else
-     fi
+     push_records(i);
+#ifdef DETECT
+     r_at[i] = now;
+     push_mark(p, i);
+     RECOVER(p)
+#endif
   fi
 }
 
@@ -414,7 +612,7 @@ inline publish(p, i) {
 }
 
 proctype producer(byte p) {
-  byte i, s, bc, t0, mask, cmask, sc;
+  byte i, s, bc, t0, mask, cmask, xmask, sc;
   byte ph;   /* 0: idle; 1: the load read the broker; 2: it read the store, the write is next */
   short bk, sk;
 end_producer:
@@ -429,15 +627,27 @@ end_producer:
            * and V), then the store (load.lua). When nothing happens between the two steps
            * it is the one-script load of a single Redis, so this covers that one too. */
           d_step {
-            t0 = now; mask = 0; cmask = 0;
+            t0 = now; mask = 0; cmask = 0; xmask = 0;
             for (hq : 1 .. NREQ) {
               if :: st[hq] == ACCEPTED -> mask = mask | (1 << hq) :: else fi;
-              if :: COUNTS(hq) -> cmask = cmask | (1 << hq) :: else fi
+#ifdef WINDOW
+              /* lost before the load began: it is not the load's to see, even if its
+               * producer publishes it again meanwhile */
+              if :: st[hq] == ACCEPTED && exempt[hq] -> xmask = xmask | (1 << hq) :: else fi;
+#endif
+              if :: COUNTS(hq) || SERVABLE(hq) -> cmask = cmask | (1 << hq) :: else fi
             }
 #ifdef STORE_FIRST_LOAD
             store_read(s, sk, sc);
 #else
             broker_read(s, bk, bc);
+#ifdef DETECT
+            /* the read's epoch and mark; a loss found: recover, then read again */
+            hb = pm[p]; observe(p, epoch, mark, hb);
+#ifdef WINDOW
+            if :: hd -> recover(p); broker_read(s, bk, bc) :: else fi;
+#endif
+#endif
 #endif
             ph = 1
           }
@@ -450,15 +660,24 @@ end_producer:
        MERGE(bk, bc, sk, sc, now, t0, hk, hc, ht);
 #else
        store_read(s, sk, sc);
-       MERGE(bk, bc, sk, sc, t0, now, hk, hc, ht);
+       if
+       :: bk == -1 -> hk = -1
+       :: else -> MERGE(bk, bc, sk, sc, t0, now, hk, hc, ht)
+       fi;
 #endif
-       printf("t%d P%d load s%d (started t%d) -> seq %d ", now, p, s, t0, SEQ_OF(hk));
-       if :: hk == 0 -> printf("(nothing)") :: hk % (2 * R) >= R -> printf("delete") :: else -> printf("save") fi;
-       printf(" req %d value #%d\n", REQ_OF(hk), hc);
-       check_load(s, hk, hc, ht, mask, cmask);
+       if
+       :: hk == -1 ->
+          /* PendingRecordMissing: the load refuses; the turn's write goes out blind */
+          printf("t%d P%d load s%d (started t%d) -> refused: a record is missing\n", now, p, s, t0)
+       :: else ->
+          printf("t%d P%d load s%d (started t%d) -> seq %d ", now, p, s, t0, SEQ_OF(hk));
+          if :: hk == 0 -> printf("(nothing)") :: hk % (2 * R) >= R -> printf("delete") :: else -> printf("save") fi;
+          printf(" req %d value #%d\n", REQ_OF(hk), hc);
+          check_load(s, hk, hc, ht, mask, cmask, xmask, p)
+       fi;
        /* adopt the loaded key: F_p[s] = max(F_p[s], seq) */
        if
-       :: hk != 0 && SEQ_OF(hk) > F[p * NSS + s] ->
+       :: hk > 0 && SEQ_OF(hk) > F[p * NSS + s] ->
 #ifdef PROCESS_FLOOR
           for (hq : 1 .. NS) { F[p * NSS + hq] = SEQ_OF(hk) }
 #else
@@ -466,7 +685,7 @@ end_producer:
 #endif
        :: else
        fi;
-       bk = 0; bc = 0; sk = 0; sc = 0; t0 = 0; mask = 0; cmask = 0; ph = 2
+       bk = 0; bc = 0; sk = 0; sc = 0; t0 = 0; mask = 0; cmask = 0; xmask = 0; ph = 2
      }
   :: d_step { ph == 2; publish(p, i); ph = 0 }     /* the write made from that load */
   od
@@ -579,7 +798,32 @@ inline settle(i) {
     fi
   }
 #else
-  hq = KSE(i); e_on[hq] = 0; e_slot[hq] = 0;
+  hq = KSE(i);
+#ifdef RECORD_LOSS
+  /* a removed entry counts one less; so does a missing one the count still expects (it
+   * cannot tell a redelivered duplicate of a settled request: README, finding 6) */
+  if
+  :: e_on[hq] -> if :: cnt[hs] > 0 -> cnt[hs]-- :: else fi
+  :: else ->
+#ifdef EXACT_SETTLE
+     /* the fix: a settle counts a missing entry only if it is its own, once */
+     if :: elost[i] && cnt[hs] > 0 -> elost[i] = 0; cnt[hs]-- :: else fi
+#else
+     hn = 0;
+     for (hw : 1 .. NREQ) { if :: e_on[hw] && r_s[e_slot[hw]] == hs -> hn++ :: else fi };
+     if :: cnt[hs] > hn -> cnt[hs]-- :: else fi;
+     hw = 0
+#endif
+  fi;
+  e_on[hq] = 0; e_slot[hq] = 0;
+  /* the session leaves the index once no entry is left and its count is spent */
+  hn = 0;
+  for (hw : 1 .. NREQ) { if :: e_on[hw] && r_s[e_slot[hw]] == hs -> hn++ :: else fi };
+  if :: hn == 0 && cnt[hs] == 0 -> idx[hs] = 0 :: else fi;
+  hw = 0;
+#else
+  e_on[hq] = 0; e_slot[hq] = 0;
+#endif
 #endif
   hq = KSV(i); v_on[hq] = 0; v_slot[hq] = 0
 }
@@ -670,6 +914,50 @@ end_idle:
  * overtaken by VT), at any moment, which includes every real VT. Loss: the queue, unacked,
  * E, V and the index go; the epoch changes. A request lost before it was applied is exempt
  * from (a) and (c). (A loss of an empty broker changes nothing but the epoch: not explored.) */
+#define QUEUED_(i) ((i) <= NREQ && msg[i] == QUEUED)
+#define ENTRY_ON (e_on[1] || e_on[2] || ((NREQ >= 3) && e_on[3]) || ((NREQ >= 4) && e_on[4]))
+#ifdef SWEEP_QUEUE_ONLY
+#define GONE(m) ((m) == PURGED || (m) == LOST || (m) == UNACKED)
+#else
+#define GONE(m) ((m) == PURGED || (m) == LOST)
+#endif
+#define ORPHAN(q) ((q) <= NREQ && e_on[q] && GONE(msg[e_slot[q]]))
+
+#ifdef SUFFIX_LOSS
+/* Undo the publish of mark `mark`: its message (queued or unacked) is lost, its entry and
+ * value go, and the mark goes back one; back to 0, the epoch goes too (both were written
+ * by the first publish). What workers did after that publish to older requests stands (the
+ * model's abstraction: README.md). */
+inline lose_last() {
+  for (hq : 1 .. NREQ) {
+    if
+    :: st[hq] == ACCEPTED && r_mk[hq] == mark ->
+       printf("t%d   publish %d of #%d undone\n", now, mark, hq);
+       if
+       :: msg[hq] == QUEUED || msg[hq] == UNACKED ->
+          msg[hq] = LOST; if :: !hit[hq] -> exempt[hq] = 1 :: else fi
+       :: else
+       fi;
+       if
+       :: e_on[hq] && e_slot[hq] == hq ->
+          e_on[hq] = 0; e_slot[hq] = 0;
+#ifdef RECORD_LOSS
+          if :: cnt[r_s[hq]] > 0 -> cnt[r_s[hq]]-- :: else fi
+#else
+          skip
+#endif
+       :: else
+       fi;
+       if :: v_on[hq] && v_slot[hq] == hq -> v_on[hq] = 0; v_slot[hq] = 0 :: else fi
+    :: else
+    fi
+  }
+  mark--;
+  if :: mark == 0 -> epoch = 0 :: else fi;
+  hq = 0
+}
+#endif
+
 #define UNACKED_(i) ((i) <= NREQ && msg[i] == UNACKED)
 #define HOLDS(i) ((i) <= NREQ && (msg[i] == QUEUED || msg[i] == UNACKED || e_on[i] || v_on[i]))
 #define BROKER_HOLDS_SOMETHING (HOLDS(1) || HOLDS(2) || HOLDS(3) || HOLDS(4) || HOLDS(5))
@@ -704,8 +992,83 @@ end_broker:
          fi;
          e_on[hq] = 0; e_slot[hq] = 0; v_on[hq] = 0; v_slot[hq] = 0
        }
+#ifdef DETECT
+       mark = 0; epoch = 0;
+#endif
+#ifdef RECORD_LOSS
+       for (hq : 1 .. NS) { cnt[hq] = 0; idx[hq] = 0 }
+#endif
        hq = 0     /* (a d_step must not end in a loop: Spin 6.5 loses the exit label) */
      }
+#ifdef SUFFIX_LOSS
+  :: atomic {
+       /* the broker goes back in time (a crash inside its fsync window, a failover to a
+        * lagging replica): the last publishes, one or more, are undone */
+       losses < LOSSES && mark > 0 -> losses++;
+       printf("t%d BROKER GOES BACK IN TIME\n", now);
+       d_step { lose_last() };
+       do
+       :: d_step { mark > 0; lose_last() }
+       :: break
+       od
+     }
+#endif
+#ifdef RECORD_LOSS
+  :: atomic {
+       /* an operator's DEL of an entry (or eviction): its message stays queued */
+       !rlost && ENTRY_ON -> rlost = 1;
+       if
+       :: e_on[1] -> hq = 1
+       :: e_on[2] -> hq = 2
+#if NREQ >= 3
+       :: e_on[3] -> hq = 3
+#endif
+#if NREQ >= 4
+       :: e_on[4] -> hq = 4
+#endif
+       fi;
+       d_step {
+         printf("t%d the entry of #%d is lost, its message stays\n", now, e_slot[hq]);
+#ifdef EXACT_SETTLE
+         elost[e_slot[hq]] = 1;
+#endif
+         e_on[hq] = 0; e_slot[hq] = 0; hq = 0
+       }
+     }
+#endif
+#ifdef PURGE
+  :: d_step {
+       /* a purge (celery purge, DEL of the queue): the queued messages go, records stay */
+       !purged && (QUEUED_(1) || QUEUED_(2) || QUEUED_(3) || QUEUED_(4));
+       purged = 1;
+       printf("t%d the queue is purged\n", now);
+       for (hq : 1 .. NREQ) {
+         if :: msg[hq] == QUEUED -> msg[hq] = PURGED; if :: !hit[hq] -> exempt[hq] = 1 :: else fi :: else fi
+       }
+       hq = 0
+     }
+  :: atomic {
+       /* the sweep (tasks/orphans.py): an entry whose message is in neither the queue nor
+        * unacked is settled as lost: the entry, its value, a refusal record of kind lost */
+       ORPHAN(1) || ORPHAN(2) || ORPHAN(3) || ORPHAN(4) ->
+       if
+       :: ORPHAN(1) -> hq = 1
+       :: ORPHAN(2) -> hq = 2
+       :: ORPHAN(3) -> hq = 3
+       :: ORPHAN(4) -> hq = 4
+       fi;
+       d_step {
+         hw = e_slot[hq];
+         printf("t%d the sweep settles #%d as lost\n", now, hw);
+#ifdef RECORD_LOSS
+         if :: cnt[r_s[hw]] > 0 -> cnt[r_s[hw]]-- :: else fi;
+#endif
+         e_on[hq] = 0; e_slot[hq] = 0;
+         if :: v_on[KSV(hw)] && v_slot[KSV(hw)] == hw -> v_on[KSV(hw)] = 0; v_slot[KSV(hw)] = 0 :: else fi;
+         lostrec[hw] = 1; hq = 0; hw = 0
+       }
+     }
+#endif
   od
 }
 
@@ -734,6 +1097,10 @@ end_clock:
          :: else
          fi;
          if :: val[hs] != 0 && val_dl[hs] <= now -> val[hs] = 0; val_dl[hs] = 0 :: else fi;
+#ifdef RECORD_LOSS
+         /* a stale index entry: publish.lua resets its count (read_pending.lua ignores it) */
+         if :: idx[hs] != 0 && idx[hs] <= now -> idx[hs] = 0; cnt[hs] = 0 :: else fi;
+#endif
          if :: f_key[hs] != 0 && f_exp[hs] <= now -> f_key[hs] = 0; f_lap[hs] = 0; f_exp[hs] = 0 :: else fi
        }
        for (hq : 1 .. NREQ) {
@@ -771,7 +1138,8 @@ end_monitor:
             hk = f_key[hm]; hc = ((val[hm] != 0 && now < val_dl[hm]) -> val[hm] : 0)
          :: else
          fi;
-         check_load(hm, hk, hc, now, 255, 0)
+         MISSING(hm, hk, hc);    /* a load that finds a record missing refuses: nothing to check */
+         if :: hk != -1 -> check_load(hm, hk, hc, now, 255, 0, 0, NP) :: else fi
        }
        /* wait_durable(r) for every accepted request: applied iff fence.req == r.req (not
         * lapsed); expired iff that fence is lapsed, or fence < r and now >= deadline(r);
@@ -797,6 +1165,14 @@ end_monitor:
                   :: rr[KSV(hw)] -> hok = refused[hw];
                      if :: !hok -> printf("VIOLATION (d): wait_durable(#%d) says refused; it was not\n", hw) :: else fi;
                      d_refused_true = hok; assert(d_refused_true)  /* (d) "refused" is true */
+#ifdef PURGE
+                  :: !rr[KSV(hw)] && lostrec[hw] ->
+                     /* "lost": its message was gone (purged, or lost with the broker's
+                      * data), and it was never applied */
+                     hok = !applied[hw] && (msg[hw] == PURGED || msg[hw] == LOST || exempt[hw]);
+                     if :: !hok -> printf("VIOLATION (d): wait_durable(#%d) says lost; it was not\n", hw) :: else fi;
+                     d_lost_true = hok; assert(d_lost_true)    /* (d) "lost" is true */
+#endif
                   :: else
                   fi
                fi
@@ -810,6 +1186,10 @@ end_monitor:
          if :: msg[hq] == QUEUED || msg[hq] == UNACKED -> hquiet = false :: else fi
        }
        for (hq : 0 .. NW - 1) { if :: wcur[hq] != 0 -> hquiet = false :: else fi }
+#ifdef PURGE
+       /* and the sweep has settled every entry whose message is gone */
+       if :: ORPHAN(1) || ORPHAN(2) || ORPHAN(3) || ORPHAN(4) -> hquiet = false :: else fi;
+#endif
        if
        :: hquiet ->
           for (hm : 1 .. NS) {

@@ -19,7 +19,14 @@ pytestmark = pytest.mark.model
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "check-model"
-CORRECT = ["correct-ties", "correct-ids", "correct-clocks"]
+CORRECT = [
+    "correct-ties",
+    "correct-window",
+    "correct-ids",
+    "correct-clocks",
+    "correct-record-loss",
+    "correct-purge",
+]
 VARIANTS = [
     "settle-by-seq",
     "no-publish-clock-check",
@@ -28,6 +35,10 @@ VARIANTS = [
     "global-ids",
     "store-first-load",
     "deadline-at-broker-read",
+    "no-mark",
+    "no-record-counts",
+    "sweep-queue-only",
+    "settle-counts-any-missing",
 ]
 
 

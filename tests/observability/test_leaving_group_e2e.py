@@ -16,6 +16,7 @@ import json
 import random
 from collections import Counter
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,8 @@ from tests.support.workers import QUEUE, TEST_WORKER_SETTINGS
 
 pytestmark = pytest.mark.integration
 
+#: Seconds the outage's saves are held (their ETA): the worker takes them meanwhile.
+OUTAGE_ETA_SECONDS = 8
 #: The smallest stored-value budget the worker takes: a save of 3 KB of noise is refused.
 MAX_VALUE_BYTES = 1024
 
@@ -74,13 +77,20 @@ def _push(broker: Any, messages: list[str]) -> list[str]:
     return [json.loads(message)["headers"]["id"] for message in messages]
 
 
-def _save(session_id: str, seq: int, *, content_size: int = 16, extra: bool = False) -> str:
+def _save(
+    session_id: str,
+    seq: int,
+    *,
+    content_size: int = 16,
+    extra: bool = False,
+    eta: str | None = None,
+) -> str:
     wire = checkpoint_to_wire(make_checkpoint(session_id, content_size=content_size))
     if content_size > 16:
         noise = base64.b64encode(random.Random(seq).randbytes(content_size)).decode()
         wire["conversationHistory"][0]["content"] = noise
     return protocol2(
-        SAVE, [wire, seq, "extra"] if extra else [wire], None if extra else {"seq": seq}
+        SAVE, [wire, seq, "extra"] if extra else [wire], None if extra else {"seq": seq}, eta=eta
     )
 
 
@@ -135,11 +145,19 @@ def test_each_request_is_received_started_and_ended_once_per_attempt(
             for e in received.values()
         )
 
-        # When the store goes away while three saves arrive, and comes back once each was
-        # retried at least once
+        # When the store goes away while three saves are in the worker's hands, and comes
+        # back once each was retried at least once. (They are held until an ETA, and the
+        # store stops once the worker took them: a worker that notices the outage first
+        # stops taking messages, and a save it never took is never tried, let alone retried.)
+        eta = (datetime.now(UTC) + timedelta(seconds=OUTAGE_ETA_SECONDS)).isoformat()
+        outage = _push(broker, [_save(f"lg-outage-{n}", 1, eta=eta) for n in range(3)])
+        wait_until(
+            lambda: all("received" in events.types(i) for i in outage),
+            timeout=OUTAGE_ETA_SECONDS,
+            message="the worker to take the three saves before their ETA",
+        )
         store_server.stop()
         try:
-            outage = _push(broker, [_save(f"lg-outage-{n}", 1) for n in range(3)])
             wait_until(
                 lambda: all("retried" in events.types(i) for i in outage),
                 timeout=60,

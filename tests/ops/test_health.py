@@ -33,7 +33,8 @@ def test_health_fails_without_a_worker_and_passes_once_one_runs(system: System) 
     wait_until(lambda: _healthy(system), timeout=30, message="health to pass")
     report = json.loads(system.cli("health", "--json", "--local").stdout)
     assert report["ok"] is True
-    assert set(report["checks"]) == {"broker", "store", "worker"}
+    # ("one store": the workers announced this configuration's store as theirs)
+    assert set(report["checks"]) == {"broker", "store", "worker", "one store"}
     assert all(check["ok"] for check in report["checks"].values())
 
     # When the worker stops, health fails again at once (its heartbeat is removed)

@@ -71,7 +71,7 @@ def test_a_known_load_is_counted_exactly_once_across_the_pool_processes(system: 
     }
     assert counted == {
         ("save", "applied"): 9,
-        ("save", "stale"): 3,
+        ("save", "superseded"): 3,
         ("delete", "deleted"): 2,
         ("save", "dead_lettered"): 2,  # the invalid checkpoint, the undecodable save
         ("other", "dead_lettered"): 1,  # the unknown task's name is not made a label

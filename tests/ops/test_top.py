@@ -3,6 +3,7 @@ through a terminal emulator (pyte), the way a person would see it."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import pty
@@ -20,6 +21,7 @@ from typing import Any
 import pyte
 import pytest
 
+from checkpointq.worker.ops import top as top_module
 from tests.ops.conftest import System
 from tests.support.celery_processes import REPO
 from tests.support.checkpoints import make_checkpoint
@@ -291,6 +293,36 @@ def test_ctrl_c_ends_top_at_once_whatever_it_waits_on(
         assert modes[3] & termios.ICANON and modes[3] & termios.ECHO
 
 
+@pytest.mark.parametrize("output", ["read", "stalled"])
+def test_a_wind_down_cut_short_still_shows_the_cursor(output: str) -> None:
+    # Given a terminal whose cursor a view hid, that has taken nothing since, or is full
+    master, slave = pty.openpty()
+    try:
+        os.write(slave, b"\x1b[?25l")
+        if output == "stalled":
+            os.set_blocking(slave, False)
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    os.write(slave, b"\0" * 1024)
+            os.set_blocking(slave, True)
+        # When top leaves without its own "show the cursor" reaching it
+        with os.fdopen(os.dup(slave), "w") as output_file:
+            top_module._show_cursor(output_file)
+        # Then the terminal shows the cursor, at once, without being read first
+        os.close(slave)
+        slave = -1
+        screen = pyte.Screen(COLUMNS, ROWS)
+        stream = pyte.ByteStream(screen)
+        with contextlib.suppress(OSError):
+            while select.select([master], [], [], 1)[0]:
+                stream.feed(os.read(master, 65536))
+        assert not screen.cursor.hidden
+    finally:
+        os.close(master)
+        if slave >= 0:
+            os.close(slave)
+
+
 def test_stats_shows_the_numbers_top_shows(system: System) -> None:
     # Given a worker that applied 2 saves
     system.start_worker()
@@ -342,6 +374,9 @@ def test_top_fits_80_by_24_says_q_quits_and_quits_on_q(system: System) -> None:
         )
         assert all(len(line) <= 80 for line in lines)
         assert any("queue depth" in line for line in lines)
+        # and each panel's title on one line of its own, not wrapped into its neighbour
+        for title in ("refused, by reason", "workers", "throughput (live workers)"):
+            assert any(title in line for line in lines), (title, lines)
 
         # When q is pressed, Then top exits cleanly
         os.write(terminal.master, b"q")
@@ -360,3 +395,17 @@ def test_top_once_exits_1_when_the_broker_cannot_be_read(system: System) -> None
     )
     assert done.returncode == 1, done.stdout + done.stderr
     assert "unreachable" in done.stdout + done.stderr
+
+
+def test_a_panel_title_longer_than_its_columns_stays_on_one_line() -> None:
+    # Given the dead letters' table with one short reason (narrower than its title),
+    # When it is drawn at 80 columns, Then its title is one line, not wrapped in two.
+    from rich.console import Console
+
+    from checkpointq.worker.ops.top import _table
+
+    table = _table("refused, by reason", "reason", "total")
+    table.add_row("bad", "1")
+    console = Console(width=80, record=True, color_system=None)
+    console.print(table)
+    assert "refused, by reason" in console.export_text()

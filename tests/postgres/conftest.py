@@ -79,10 +79,10 @@ def pg_deployment(
 ) -> Iterator[PgDeployment]:
     values = {
         **TEST_WORKER_SETTINGS,
-        **pg_settings,
         "broker_url": broker_server.url,
         "store_url": pg_database.url,
         "pg_schema": f"pg{next(_schemas)}",
+        **pg_settings,  # a store URL through a pooler, say
     }
     worker = CeleryProcess("worker", checkpointq_env(**values)).start()
     try:

@@ -5,7 +5,7 @@ session's final state is the last request accepted for it (loaded through the cl
 straight from the store), nothing dead-lettered, the worker never restarted.
 
 The module's server is its own (they stop, fill and refuse it); the retry budget is short
-(``_RETRIES``), so that every outage here outlasts it: requests whose retries run out go
+(``RETRIES``), so that every outage here outlasts it: requests whose retries run out go
 back to the queue, and backpressure holds the rest in the broker.
 """
 
@@ -15,11 +15,9 @@ import errno
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import psycopg
@@ -27,31 +25,26 @@ import pytest
 
 from checkpointq.tasks.producer.client import CheckpointClient
 from checkpointq.worker.settings import Settings
-from tests.faults.harness import SAVE, Request, hold, judge, winners
+from tests.faults.harness import hold
 from tests.postgres.conftest import PgDeployment
 from tests.postgres.proxy import Proxy
+from tests.postgres.traffic import (
+    BUDGET,
+    OUTAGE,
+    PAUSED,
+    RESUMED,
+    RETRIES,
+    Run,
+    Traffic,
+    running,
+    settle,
+)
 from tests.support.celery_processes import CeleryProcess, checkpointq_env
-from tests.support.checkpoints import make_checkpoint
 from tests.support.postgres import PostgresServer
 from tests.support.servers import RedisServer, wait_until
 from tests.support.workers import TEST_WORKER_SETTINGS
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
-
-#: What the worker logs when it stops taking messages, and when it takes them again.
-PAUSED = "store refusing writes"
-RESUMED = "taking messages from"
-
-#: A retry budget of well under a second (at most 0.1 + 0.2 + 0.4 s of backoff): each
-#: outage below lasts several times longer.
-_RETRIES: dict[str, object] = {
-    "retry_max": 3,
-    "retry_backoff_seconds": 0.1,
-    "retry_backoff_max_seconds": 0.4,
-}
-_BUDGET = 0.1 + 0.2 + 0.4
-#: How long each fault is held: several retry budgets and probe intervals.
-OUTAGE = 4.0
 
 
 @pytest.fixture(scope="module")
@@ -64,117 +57,13 @@ def pg_database() -> Iterator[PostgresServer]:
 
 @pytest.fixture(scope="module")
 def pg_settings() -> dict[str, object]:
-    return dict(_RETRIES)
-
-
-@dataclass
-class Traffic:
-    """Saves through ``CheckpointClient`` from a thread, at a steady rate; every accepted
-    request (its handle's seq) is kept."""
-
-    client: CheckpointClient
-    sessions: int = 40
-    rate: float = 150.0
-    prefix: str = "s"
-    content_size: int = 16
-    sent: list[Request] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-    _thread: threading.Thread | None = None
-
-    def start(self) -> Traffic:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        i, next_at = 0, time.monotonic()
-        try:
-            while not self.stop.wait(max(0.0, next_at - time.monotonic())):
-                sid = f"{self.prefix}-{i % self.sessions:04d}"
-                cp = make_checkpoint(sid, version=i + 1, content_size=self.content_size)
-                handle = self.client.save(cp)
-                assert handle.seq is not None
-                self.sent.append(Request(SAVE, sid, handle.seq, version=i + 1))
-                i += 1
-                next_at += 1.0 / self.rate
-        except BaseException as exc:  # reported by finish(): a producer must never fail here
-            self.error = exc
-
-    def more(self, count: int, timeout: float = 30.0) -> None:
-        """Until ``count`` more requests were accepted (traffic goes on after a fault)."""
-        target = len(self.sent) + count
-        wait_until(lambda: len(self.sent) >= target, timeout=timeout, message="more traffic")
-
-    def finish(self) -> list[Request]:
-        self.stop.set()
-        assert self._thread is not None
-        self._thread.join(timeout=30)
-        assert self.error is None, f"the producer failed: {self.error!r}"
-        assert self.sent, "nothing was published"
-        return list(self.sent)
-
-
-@dataclass
-class Run:
-    """One test's deployment, its producer, and what the worker was when it began."""
-
-    deployment: PgDeployment
-    client: CheckpointClient
-    traffic: Traffic
-    pid: int
-    mark: int
-
-    def log(self) -> str:
-        """The worker's log lines since the test began."""
-        return self.deployment.worker.log()[self.mark :]
-
-    def wait_logged(self, text: str, timeout: float = 30.0, after: int = 0) -> int:
-        """Until the worker logs ``text`` (after offset ``after`` of ``log()``); its offset."""
-        wait_until(lambda: text in self.log()[after:], timeout=timeout, message=repr(text))
-        return self.log().index(text, after)
+    return dict(RETRIES)
 
 
 @pytest.fixture
 def run(pg_live: PgDeployment) -> Iterator[Run]:
-    process = pg_live.worker.process
-    assert process is not None
-    client = pg_live.checkpoint_client()
-    traffic = Traffic(client)
-    try:
-        yield Run(pg_live, client, traffic, process.pid, len(pg_live.worker.log()))
-    finally:
-        traffic.stop.set()
-        client.close()
-
-
-def settle(run: Run, timeout: float = 60.0) -> list[Request]:
-    """Stop the traffic; check that every accepted request took effect, nothing was
-    dead-lettered and the same worker process did it all."""
-    sent = run.traffic.finish()
-    deployment = run.deployment
-    store = deployment.store()
-    try:
-        wait_until(
-            lambda: judge(store, sent).exact, timeout=timeout, message="every request applied"
-        )
-        deployment.wait_drained(timeout)
-        verdict = judge(store, sent)
-        assert verdict.exact, verdict
-        final = winners(sent)
-        for sid, win in final.items():
-            through_client = run.client.load(sid)
-            assert through_client is not None and through_client.version == win.version, sid
-            direct = store.load(sid)
-            assert direct is not None and direct.version == win.version, sid
-    finally:
-        store.close()
-    assert deployment.dead_letters().count() == 0, deployment.dead_letters().list()
-    process = deployment.worker.process
-    assert process is not None and process.poll() is None, "the worker exited"
-    assert process.pid == run.pid, "the worker was restarted"
-    assert "ready." not in run.log(), "the worker started again"
-    return sent
+    with running(pg_live) as started:
+        yield started
 
 
 @pytest.mark.parametrize("mode", ["fast", "immediate"])
@@ -196,7 +85,7 @@ def test_a_database_stopped_beyond_the_retry_budget_loses_and_dead_letters_nothi
     run.wait_logged(RESUMED, after=paused)
     run.traffic.more(100)
     settle(run)
-    assert outage > _BUDGET * 4
+    assert outage > BUDGET * 4
     why = run.log()[paused:].splitlines()[0]
     assert any(word in why for word in ("unreachable", "shutting down", "recovering")), why
 
@@ -372,7 +261,7 @@ def failover() -> Iterator[tuple[Run, PostgresServer, PostgresServer, Proxy]]:
     try:
         values = {
             **TEST_WORKER_SETTINGS,
-            **_RETRIES,
+            **RETRIES,
             "broker_url": broker.url,
             "store_url": proxy.url(),
             "pg_schema": "failover",

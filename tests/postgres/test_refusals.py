@@ -4,14 +4,17 @@ connection refused for want of a slot, a session the server ended, a probe's los
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import pytest
 
+from checkpointq.store import postgres
 from checkpointq.store.errors import StoreUnavailable
 from checkpointq.store.postgres import PostgresStore, describe
 from checkpointq.store.serde import checkpoint_from_wire
 from tests.support.postgres import PostgresServer
+from tests.support.servers import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -80,3 +83,54 @@ def test_a_session_the_server_ended_is_no_refusal(
     store.ping()
     _terminate_store_sessions(server)
     assert store.write_refusal() is None
+
+
+def _ending_new_sessions(server: PostgresServer, store: PostgresStore, times: int) -> list[int]:
+    """Make the server end each of the store's next ``times`` new sessions as soon as it
+    is made (an administrator's sweep that keeps catching the probe); the pids it ended."""
+    ended: list[int] = []
+    connect = store._connect
+
+    def connect_then_end(write: bool) -> psycopg.Connection[Any]:
+        conn = connect(write)
+        if len(ended) < times:
+            pid = conn.info.backend_pid
+            server.psql(f"SELECT pg_terminate_backend({pid})")
+            gone = f"SELECT count(*) FROM pg_stat_activity WHERE pid = {pid}"
+            wait_until(lambda: server.psql(gone) == "0", message=f"backend {pid} to end")
+            ended.append(pid)
+        return conn
+
+    store._connect = connect_then_end  # type: ignore[method-assign]
+    return ended
+
+
+@pytest.fixture
+def probe(server: PostgresServer, store: PostgresStore) -> Iterator[PostgresStore]:
+    """A store that has made no session yet, on a schema that exists."""
+    store.ping()
+    store.close()
+    fresh = PostgresStore(server.url, schema="refusals")
+    yield fresh
+    fresh.close()
+
+
+def test_a_probe_whose_new_sessions_are_ended_tries_again_before_calling_it_a_refusal(
+    server: PostgresServer, probe: PostgresStore
+) -> None:
+    # Given a sweep that ends the probe's next two new sessions as soon as they are made
+    ended = _ending_new_sessions(server, probe, times=2)
+    # Then the probe judges the database on a third: it takes writes
+    assert probe.write_refusal() is None
+    assert len(ended) == 2
+
+
+def test_a_probe_whose_every_new_session_is_ended_says_so(
+    server: PostgresServer, probe: PostgresStore
+) -> None:
+    # Given a sweep that ends every session the probe makes, as fast as it makes them
+    ended = _ending_new_sessions(server, probe, times=100)
+    # Then after a few tries the probe answers that it could not write, and why
+    why = probe.write_refusal()
+    assert why is not None and "terminating connection" in why, why
+    assert len(ended) == postgres._PROBE_ATTEMPTS

@@ -23,6 +23,13 @@ SEQ = 1_800_000_000_000_000
         (SAVE, Fence(SEQ, False, "a"), False, None),  # ordered before: may still apply
         (DELETE, Fence(SEQ, False, "z"), False, None),  # a delete wins over a save alike
         (DELETE, Fence(SEQ, True, "z"), False, SUPERSEDED),
+        # the request id alone is not the request (issue 44): a reuse of it by another
+        # request, ordered after (superseded) or before (still on its way), or of another kind
+        (SAVE, Fence(SEQ + 1, False, "m"), False, SUPERSEDED),
+        (SAVE, Fence(SEQ - 1, False, "m"), False, None),
+        (SAVE, Fence(SEQ, True, "m"), False, SUPERSEDED),
+        (DELETE, Fence(SEQ, False, "m"), False, None),
+        (DELETE, Fence(SEQ, True, "m"), False, APPLIED),
         (SAVE, None, False, None),
         (SAVE, None, True, EXPIRED),
         (SAVE, Fence(SEQ - 1, False, "a"), True, EXPIRED),

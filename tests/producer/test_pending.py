@@ -209,13 +209,18 @@ def test_a_load_on_one_redis_is_one_script_call(
     calls = {name: int(v["calls"]) for name, v in stats.items() if "config" not in name}
     # One EVALSHA; the rest are read_pending.lua's own (counted as well): the broker's time,
     # the entries, the earlier-layout record and the fence, the pending value and the epoch
-    # (the stored value is not read: the pending save answers)
+    # (the stored value is not read: the pending save answers), the pending mark, the ring's
+    # token of the mark b saw (its first load taught it one) and of the current mark, and
+    # the session's index entry, count and number of entries (is one missing?)
     assert calls == {
         "cmdstat_evalsha": 1,
         "cmdstat_time": 1,
         "cmdstat_hgetall": 1,
         "cmdstat_hmget": 2,
         "cmdstat_get": 2,
+        "cmdstat_hget": 4,
+        "cmdstat_zscore": 1,
+        "cmdstat_hlen": 1,
     }
 
 

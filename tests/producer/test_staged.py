@@ -117,10 +117,12 @@ def test_publish_refuses_a_staged_message_whose_value_is_missing(
 ) -> None:
     # Given publish.lua called for a staged request without its value SET first
     source = script_source("publish", "checkpointq.tasks")
-    keys = [QUEUE, KEYS.pending_index(), KEYS.pending_epoch(), KEYS.pending_requests("s")]
+    keys = [QUEUE, KEYS.pending_index(), KEYS.pending_epoch(), KEYS.pending_mark()]
+    keys.append(KEYS.pending_counts())
+    keys.append(KEYS.pending_requests("s"))
     keys.append(KEYS.pending_value("s", "req"))
     now_us = wall_clock_us()
-    args: list[bytes | str | int] = [b"message", 60_000, "token", now_us, 300_000_000]
+    args: list[bytes | str | int] = [b"message", 60_000, "token", now_us, 300_000_000, "", 0, ""]
     args += ["s", now_us, "staged", "req", b""]
     # Then it refuses before any write: no message, no entry
     with pytest.raises(redis.ResponseError, match=r"staged value .* is missing"):

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from pydantic import ValidationError
 
 from checkpointq.tasks.brokers import BrokerKind, broker_kind, transport_options
+from checkpointq.tasks.producer.broker_durability import BrokerDurability
+from checkpointq.tasks.producer.client import client_options
 from checkpointq.worker import reserve
 from checkpointq.worker.app import celery_config
-from checkpointq.worker.settings import Settings
+from checkpointq.worker.settings import InvalidSettings, Settings
 
 AMQP = "amqp://guest:guest@127.0.0.1:5672/cq"
 SENTINELS = "sentinel://:pw@10.0.0.1:26379;sentinel://:pw@10.0.0.2:26379"
@@ -50,6 +51,16 @@ def test_redis_and_sentinel_workers_get_the_byte_budget_of_what_they_hold_reserv
         assert options[reserve.MAX_HELD_BYTES_OPTION] == budget
 
 
+def test_a_coalescing_redis_worker_gets_its_wake_up_linger_and_one_that_does_not_none() -> None:
+    def linger(**given: object) -> object:
+        config = celery_config(Settings(broker_url="redis://h:6379/0", **given))  # type: ignore[arg-type]
+        return config["broker_transport_options"][reserve.WAKE_LINGER_OPTION]
+
+    assert linger() == 5.0 and linger(wake_linger_ms=12) == 12
+    assert linger(wake_linger_ms=12, coalesce_max_items=0) == 0
+    assert linger(wake_linger_ms=12, pool="threads") == 0
+
+
 def test_sentinel_gets_master_name_password_and_visibility_timeout() -> None:
     settings = Settings(
         broker_url=SENTINELS,
@@ -66,12 +77,12 @@ def test_sentinel_gets_master_name_password_and_visibility_timeout() -> None:
 
 @pytest.mark.parametrize("broker", [AMQP, SENTINELS])
 def test_a_broker_that_is_not_plain_redis_needs_a_store_url(broker: str) -> None:
-    with pytest.raises(ValidationError, match="store_url is required"):
+    with pytest.raises(InvalidSettings, match="store_url is required"):
         Settings(broker_url=broker, sentinel_master="cq")
 
 
 def test_a_sentinel_broker_needs_the_master_name() -> None:
-    with pytest.raises(ValidationError, match="sentinel_master"):
+    with pytest.raises(InvalidSettings, match="sentinel_master"):
         Settings(broker_url=SENTINELS, store_url="redis://h:6379/0")
     with pytest.raises(ValueError, match="master"):
         transport_options(SENTINELS)
@@ -85,7 +96,29 @@ def test_beat_schedule_lives_on_a_plain_redis() -> None:
     clustered = Settings(broker_url="redis://b:6379/0", store_url=CLUSTER)
     assert clustered.resolved_beat_url == "redis://b:6379/0"
     # and an explicit URL when neither is a plain Redis
-    with pytest.raises(ValidationError, match="beat_url is required"):
+    with pytest.raises(InvalidSettings, match="beat_url is required"):
         Settings(broker_url=AMQP, store_url=CLUSTER)
     explicit = Settings(broker_url=AMQP, store_url=CLUSTER, beat_url="redis://beat:6379/0")
     assert explicit.resolved_beat_url == "redis://beat:6379/0"
+
+
+def test_broker_durability_is_local_or_replicated_and_needs_a_plain_redis(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CHECKPOINTQ_BROKER_DURABILITY", "replicate")
+    with pytest.raises(InvalidSettings) as bad:
+        Settings(broker_url="redis://h:6379/0")
+    assert str(bad.value) == (
+        "invalid CHECKPOINTQ_BROKER_DURABILITY: Input should be 'local' or 'replicated'"
+    )
+    monkeypatch.setenv("CHECKPOINTQ_BROKER_DURABILITY", "replicated")
+    monkeypatch.setenv("CHECKPOINTQ_BROKER_REPLICATION_TIMEOUT_MS", "0")
+    with pytest.raises(InvalidSettings, match="BROKER_REPLICATION_TIMEOUT_MS: Input should be"):
+        Settings(broker_url="redis://h:6379/0")
+    monkeypatch.delenv("CHECKPOINTQ_BROKER_REPLICATION_TIMEOUT_MS")
+    with pytest.raises(InvalidSettings, match="replicated needs a plain Redis broker"):
+        Settings(broker_url=AMQP, store_url="redis://h:6379/0")
+    settings = Settings(broker_url="redis://h:6379/0", broker_replicas=2)
+    durability = BrokerDurability.from_settings(settings)
+    assert durability == BrokerDurability("replicated", 2, 1000)
+    assert client_options(settings)[1]["durability"] == durability

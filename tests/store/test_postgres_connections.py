@@ -33,14 +33,25 @@ def test_a_connection_left_with_a_command_in_progress_is_replaced(store: Postgre
     wedged = store._local.conn  # reaching behind the store is this test's point
     wedged.pgconn.send_query(b"SELECT pg_sleep(0.2)")
 
-    # When a call meets it, it fails as the store being unavailable
+    # When a write meets it, it fails as the store being unavailable
     with pytest.raises(StoreUnavailable, match="another command is already in progress"):
-        store.load("s1")
+        store.save(make_checkpoint("s1", version=9), seq=1)
 
     # Then that connection is closed, and the next call makes a new one and answers
     assert wedged.closed
     loaded = store.load("s1")
     assert loaded is not None and loaded.version == 3
+
+
+def test_a_read_that_lost_its_connection_answers_on_a_new_one(store: PostgresStore) -> None:
+    # Given this thread's connection wedged (as a failover or a call cut short leaves it)
+    store.save(make_checkpoint("s1", version=3))
+    wedged = store._local.conn
+    wedged.pgconn.send_query(b"SELECT pg_sleep(0.2)")
+    # When a read meets it, Then it answers from a new connection, the old one closed
+    loaded = store.load("s1")
+    assert loaded is not None and loaded.version == 3
+    assert wedged.closed and store._local.conn is not wedged
     store.save(make_checkpoint("s1", version=4))
     assert store.load("s1").version == 4  # type: ignore[union-attr]
 

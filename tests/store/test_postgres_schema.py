@@ -3,6 +3,7 @@ starters at once, and a table an operator partitioned first kept and used as it 
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Iterator
@@ -11,7 +12,7 @@ import psycopg
 import pytest
 
 from checkpointq.store import postgres_schema
-from checkpointq.store.postgres import PostgresStore
+from checkpointq.store.postgres import PostgresStore, session_key
 from tests.support.checkpoints import make_checkpoint
 from tests.support.postgres import PostgresServer
 
@@ -50,15 +51,17 @@ def test_stores_starting_together_upgrade_once(
     assert errors == []
     with psycopg.connect(postgres_server.url, autocommit=True) as conn:
         rows = conn.execute(f"SELECT version FROM {schema}.schema_version").fetchall()
-    assert rows == [(postgres_schema.SCHEMA_VERSION,)]
+    assert rows == [(v,) for v in range(1, postgres_schema.SCHEMA_VERSION + 1)]
 
 
 def test_a_table_partitioned_by_session_is_kept_and_serves_every_call(
     postgres_server: PostgresServer, schema: str
 ) -> None:
-    # Given an operator's sessions table, hash-partitioned four ways, made before the upgrade
+    # Given an operator's sessions table, hash-partitioned four ways by the row's key (the
+    # columns of version 2), made before the upgrade
     columns = (
-        "session_id bytea PRIMARY KEY, value bytea, value_deadline_ms bigint, version bigint, "
+        "session_key bytea PRIMARY KEY, session_id bytea NOT NULL, value bytea, "
+        "value_deadline_ms bigint, version bigint, "
         "last_run_ref text, metadata jsonb, fence_seq bigint NOT NULL, fence_deleted boolean "
         "NOT NULL, fence_request_id bytea NOT NULL DEFAULT '', fence_lapsed boolean NOT NULL "
         "DEFAULT false, fence_expires_ms bigint NOT NULL, updated_at timestamptz NOT NULL "
@@ -71,7 +74,7 @@ def test_a_table_partitioned_by_session_is_kept_and_serves_every_call(
     )
     postgres_server.psql(
         f"CREATE SCHEMA {schema}; CREATE TABLE {schema}.sessions ({columns}) "
-        f"PARTITION BY HASH (session_id); {parts}"
+        f"PARTITION BY HASH (session_key); {parts}"
     )
     store = PostgresStore(postgres_server.url, schema=schema)
     try:
@@ -81,7 +84,7 @@ def test_a_table_partitioned_by_session_is_kept_and_serves_every_call(
             assert store.save(make_checkpoint(session_id, version=n + 1)).applied
         assert store.delete("p0")
         assert not store.save(make_checkpoint("p0", version=99), seq=1).applied  # fenced out
-        assert store.list() == sorted(ids[1:])
+        assert sorted(store.list()) == sorted(ids[1:])
         loaded = store.load("p7")
         assert loaded is not None and loaded.version == 8
         expired = store.expire_stale(now=time.time() + 31 * 86400, limit=100)
@@ -96,5 +99,34 @@ def test_a_table_partitioned_by_session_is_kept_and_serves_every_call(
             f"SELECT relkind FROM pg_class WHERE oid = '{schema}.sessions'::regclass"
         )
         assert kind == "p"  # still the operator's partitioned table
+    finally:
+        store.close()
+
+
+def test_short_ids_are_their_own_keys_and_long_ones_a_marked_digest(
+    postgres_server: PostgresServer, schema: str
+) -> None:
+    # Given the schema, and ids at and around the 256-byte boundary
+    store = PostgresStore(postgres_server.url, schema=schema)
+    try:
+        ids = ["s-1", "é" * 128, "x" * 256, "x" * 257, "y" * 6000]
+        for session_id in ids:
+            assert store.save(make_checkpoint(session_id)).applied
+        # When the database computes each row's key
+        with psycopg.connect(postgres_server.url, autocommit=True) as conn:
+            rows = conn.execute(f"SELECT session_id, session_key FROM {schema}.sessions")
+            keys = {bytes(sid).decode(): bytes(key) for sid, key in rows}
+        # Then an id of up to 256 bytes is its own key (ids that sort together keep their
+        # index pages together); a longer one is 0xff and its sha256, as Python computes it
+        assert keys == {session_id: session_key(session_id) for session_id in ids}
+        assert [keys[i] == i.encode() for i in ids] == [True, True, True, False, False]
+        assert keys["y" * 6000] == b"\xff" + hashlib.sha256(b"y" * 6000).digest()
+        # And bytes no UTF-8 id has (a leading 0xff, as a digest key has) are hashed too,
+        # so that no id's key is another's digest key
+        forged = b"\xff" + hashlib.sha256(b"y" * 6000).digest()
+        key = postgres_server.psql(
+            f"SELECT encode({schema}.session_key('\\x{forged.hex()}'::bytea), 'hex')"
+        )
+        assert bytes.fromhex(key) == b"\xff" + hashlib.sha256(forged).digest() != forged
     finally:
         store.close()

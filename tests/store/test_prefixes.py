@@ -6,11 +6,10 @@ import pytest
 import redis
 from hypothesis import assume, given
 from hypothesis import strategies as st
-from pydantic import ValidationError
 
 from checkpointq.store.keys import ClusterKeySpace, KeySpace, check_prefix
 from checkpointq.store.redis import RedisStore
-from checkpointq.worker.settings import Settings
+from checkpointq.worker.settings import InvalidSettings, Settings
 from tests.support.checkpoints import make_checkpoint
 from tests.support.servers import RedisServer
 
@@ -31,7 +30,7 @@ def test_a_prefix_that_could_nest_is_refused_at_start_up(nested: str) -> None:
         KeySpace(nested)
     with pytest.raises(ValueError, match="may not contain"):
         ClusterKeySpace(nested)
-    with pytest.raises(ValidationError, match="may not contain"):
+    with pytest.raises(InvalidSettings, match="may not contain"):
         Settings(key_prefix=nested)
 
 

@@ -41,3 +41,15 @@ def checkpoint_of_size(session_id: str, approx_bytes: int, version: int = 1) -> 
     """A checkpoint whose JSON is about ``approx_bytes`` long (10 messages)."""
     per_message = max(16, approx_bytes // 10 - 40)
     return make_checkpoint(session_id, version, messages=10, content_size=per_message)
+
+
+def secret_checkpoint(session_id: str, secret: str, version: int = 1) -> Checkpoint:
+    """A checkpoint whose every message, run name and a metadata field hold ``secret``: the
+    text encryption tests look for in the broker's, the store's and the database's bytes."""
+    cp = make_checkpoint(session_id, version=version, last_run_ref=f"run-{secret}")
+    history = [
+        m.model_copy(update={"content": f"{secret} {i}"})
+        for i, m in enumerate(cp.conversation_history)
+    ]
+    metadata = cp.metadata.model_copy(update={"model": secret})
+    return cp.model_copy(update={"conversation_history": history, "metadata": metadata})

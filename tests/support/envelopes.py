@@ -18,15 +18,19 @@ def protocol2(
     content_type: str = "application/json",
     task_id: str | None = None,
     compression: str | None = None,
+    eta: str | None = None,
 ) -> str:
     """The minimal protocol 2 envelope for ``LPUSH <queue>`` (fields the worker needs);
-    ``compression`` is the header naming how ``body`` is compressed, if it is."""
+    ``compression`` is the header naming how ``body`` is compressed, if it is; ``eta`` the
+    ISO 8601 time before which the worker holds it (Celery's ``eta`` header)."""
     task_id = task_id or str(uuid.uuid4())
     if body is None:
         body = json.dumps([args, kwargs or {}, {}]).encode()
     headers = {"task": task, "id": task_id}
     if compression:
         headers["compression"] = compression
+    if eta:
+        headers["eta"] = eta
     return json.dumps(
         {
             "body": base64.b64encode(body).decode(),

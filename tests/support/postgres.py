@@ -56,7 +56,7 @@ def require_postgres() -> Path:
     return found
 
 
-def _as_server_user() -> list[str]:
+def as_server_user() -> list[str]:
     """The prefix that runs a command as the user PostgreSQL runs as (not root)."""
     if os.geteuid() != 0:
         return []
@@ -74,12 +74,17 @@ class PostgresServer:
     port: int = field(default_factory=free_port)
     max_connections: int = 50
     standby_of: PostgresServer | None = None
+    #: A standby's physical replication slot on its primary (``pg_basebackup -C -S``): the
+    #: primary then knows the standby, and keeps its WAL, while it is down.
+    slot: str | None = None
     #: More environment for the server's processes (tests/history moves its clock with
     #: LD_PRELOAD): pg_ctl hands its own environment to the postmaster, and runuser passes
     #: it on to pg_ctl.
     env: dict[str, str] = field(default_factory=dict)
     directory: Path = field(init=False)
     _bin: Path = field(init=False)
+    #: A standby's own ``primary_conninfo`` while ``disconnect`` replaced it.
+    _conninfo: str | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self._bin = require_postgres()
@@ -99,7 +104,7 @@ class PostgresServer:
 
     def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [*_as_server_user(), *args],
+            [*as_server_user(), *args],
             capture_output=True,
             text=True,
             timeout=120,
@@ -123,6 +128,7 @@ class PostgresServer:
                 "UTF8",
             )
         else:
+            slot = ["-C", "-S", self.slot] if self.slot else []
             self._run(
                 str(self._bin / "pg_basebackup"),
                 "-d",
@@ -132,6 +138,7 @@ class PostgresServer:
                 "-R",
                 "-X",
                 "stream",
+                *slot,
             )
         conf = _CONF.format(
             port=self.port, sockets=self.directory, max_connections=self.max_connections
@@ -168,6 +175,24 @@ class PostgresServer:
         self._run(
             str(self._bin / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop", check=False
         )
+
+    def disconnect(self) -> None:
+        """A standby stops receiving WAL (its primary is unreachable to it): it lags from
+        now on, until ``reconnect``."""
+        if self._conninfo is None:
+            self._conninfo = self.psql("SHOW primary_conninfo")
+        self._set_conninfo("host=127.0.0.1 port=1")
+
+    def reconnect(self) -> None:
+        """A standby ``disconnect`` cut off streams again (nothing for any other)."""
+        if self._conninfo is not None:
+            self._set_conninfo(self._conninfo)
+            self._conninfo = None
+
+    def _set_conninfo(self, conninfo: str) -> None:
+        quoted = conninfo.replace("'", "''")
+        self.psql(f"ALTER SYSTEM SET primary_conninfo = '{quoted}'")
+        self.psql("SELECT pg_reload_conf()")
 
     def promote(self) -> None:
         """Promote a standby: it takes writes from now on."""

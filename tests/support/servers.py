@@ -23,7 +23,9 @@ import redis
 #: Where test servers listen: below the kernel's ephemeral range (32768-60999 here), so no
 #: client socket takes a stopped server's port, and split between pytest-xdist's workers, so
 #: a server one worker stops and restarts (a fault test) never finds another's in its place.
-PORTS_FROM, PORTS_PER_WORKER, WORKER_SLOTS = 10_000, 3_000, 5
+#: ``CHECKPOINTQ_TEST_PORT_SLOT`` shifts this run's slots, so that test runs from two
+#: checkouts at once (gw0 of each) keep apart too.
+PORTS_FROM, PORTS_PER_WORKER, WORKER_SLOTS = 10_000, 2_000, 10
 _next_port = itertools.count(random.randrange(PORTS_PER_WORKER))
 
 
@@ -32,8 +34,9 @@ def free_port() -> int:
 
     Ports are handed out in turn (not at random), so a port is reused as late as possible.
     """
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    first = PORTS_FROM + int(worker.removeprefix("gw")) % WORKER_SLOTS * PORTS_PER_WORKER
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    slot = (worker + int(os.environ.get("CHECKPOINTQ_TEST_PORT_SLOT", "0"))) % WORKER_SLOTS
+    first = PORTS_FROM + slot * PORTS_PER_WORKER
     for _ in range(PORTS_PER_WORKER):
         port = first + next(_next_port) % PORTS_PER_WORKER
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -8,6 +8,7 @@ that kombu's own restore brings the messages back after a crash.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import select
 import signal
@@ -28,6 +29,7 @@ from checkpointq.tasks import runtime
 from checkpointq.tasks.dead_letters import DeadLetters
 from checkpointq.tasks.runtime import Runtime
 from checkpointq.worker import oversize, reserve
+from checkpointq.worker.hooks import kombu as kombu_hooks
 from tests.support.servers import RedisServer, command_calls, wait_until
 
 # kombu's hints are partial (untyped functions): its classes are used as Any here.
@@ -48,12 +50,20 @@ def _publish(url: str, count: int) -> list[dict[str, Any]]:
 
 
 def _consume(
-    url: str, prefetch: int, on_message: Any = None, max_held_bytes: int = 0
+    url: str,
+    prefetch: int,
+    on_message: Any = None,
+    max_held_bytes: int = 0,
+    wake_linger_ms: float = 0,
 ) -> tuple[Any, Any, list[Any]]:
-    """A consuming connection with ``prefetch`` (and a byte budget, as a worker's settings
-    give it); returns it, its channel and the messages delivered so far (the caller closes
-    the connection)."""
-    options = {"visibility_timeout": 3600, reserve.MAX_HELD_BYTES_OPTION: max_held_bytes}
+    """A consuming connection with ``prefetch`` (and a byte budget and a linger, as a
+    worker's settings give them); returns it, its channel and the messages delivered so far
+    (the caller closes the connection)."""
+    options = {
+        "visibility_timeout": 3600,
+        reserve.MAX_HELD_BYTES_OPTION: max_held_bytes,
+        reserve.WAKE_LINGER_OPTION: wake_linger_ms,
+    }
     conn = Connection(url, transport_options=options)
     channel = conn.channel()
     channel.basic_qos(0, prefetch, False)
@@ -209,6 +219,82 @@ def test_an_idle_consumer_still_wakes_on_the_first_message(
         _publish(redis_server.url, 1)
         conn.drain_events(timeout=5)
         assert len(received) == 2
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def wakes_are_soon(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every wake-up after the first counts as soon after the last (``LINGER_HORIZON``),
+    on any machine however loaded."""
+    monkeypatch.setattr(reserve, "LINGER_HORIZON", 3600.0)
+
+
+def test_a_consumer_woken_again_lets_requests_gather_for_its_linger_and_reserves_them_at_once(
+    guarded: None,
+    wakes_are_soon: None,
+    broker: redis.Redis,
+    redis_server: RedisServer,
+    script_calls: list[int],
+) -> None:
+    # Given a consumer with a linger, waiting on an empty queue
+    conn, channel, received = _consume(redis_server.url, prefetch=8, wake_linger_ms=50)
+    try:
+        Queue(QUEUE, channel=conn.default_channel).declare()
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=0.2)
+        reading = kombu_hooks._reading(channel)
+        assert not reading.busy and reading.waiting  # the wait, BLMOVE
+        # When a first message arrives, it is reserved at once (no wake-up before it)
+        _publish(redis_server.url, 1)
+        conn.drain_events(timeout=5)
+        assert len(received) == 1 and script_calls == [8]
+        assert command_calls(broker, "xread") == 0  # no linger
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=0.2)
+        assert not reading.busy and reading.waiting  # waiting again
+        # And when the next arrives, the consumer wakes and lingers (nothing reserved yet)
+        script_calls.clear()
+        _publish(redis_server.url, 1)
+
+        def lingering() -> bool:
+            with contextlib.suppress(TimeoutError):
+                conn.drain_events(timeout=0.05)
+            return reading.busy and reading.waiting
+
+        wait_until(lingering, timeout=10)
+        assert len(received) == 1 and script_calls == [] and broker.llen(QUEUE) == 1
+        # and more arrive meanwhile
+        _publish(redis_server.url, 4)
+        # Then one script call reserves them all once the linger is over, nothing lost
+        wait_until(lambda: conn.drain_events(timeout=1) or len(received) == 6, timeout=10)
+        assert script_calls == [7] and _brpops(broker) == 0
+        assert command_calls(broker, "xread") == 1  # the one linger
+        assert [m.payload["n"] for m in received] == [0, 0, 0, 1, 2, 3]
+    finally:
+        conn.close()
+
+
+def test_a_read_cut_short_by_the_byte_budget_reads_again_without_a_wait(
+    guarded: None,
+    broker: redis.Redis,
+    redis_server: RedisServer,
+    script_calls: list[int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given ten queued messages of ~2 KB, and reads bounded to ~5 KB each
+    monkeypatch.setattr(reserve, "BYTE_BUDGET", 5_000)
+    monkeypatch.setattr(reserve, "LINGER_HORIZON", 3600.0)
+    _publish(redis_server.url, 10)
+    conn, _, received = _consume(redis_server.url, prefetch=0, wake_linger_ms=50)
+    try:
+        # When a consumer (with a linger) drains them
+        wait_until(lambda: conn.drain_events(timeout=1) or len(received) == 10, timeout=10)
+        # Then one wait found them, and script calls followed one another with no wait
+        # (nor linger) between them: each stopped at the budget, not at an empty queue
+        assert len(script_calls) >= 4 and command_calls(broker, "blmove") == 1
+        assert command_calls(broker, "xread") == 0
+        assert [m.payload["n"] for m in received] == list(range(10))
     finally:
         conn.close()
 

@@ -79,7 +79,7 @@ def test_save_reports_applied_then_stale_for_an_older_seq(
     install(InMemoryStore(), redis)
     wire = checkpoint_to_wire(make_checkpoint("s"))
     assert apply(app, messages.SAVE, wire, seq=5)["outcome"] == "applied"
-    assert apply(app, messages.SAVE, wire, seq=4)["outcome"] == "stale"
+    assert apply(app, messages.SAVE, wire, seq=4)["outcome"] == "superseded"
     assert apply(app, messages.DELETE, "s", seq=6)["outcome"] == "deleted"
     assert apply(app, messages.REFRESH, "s")["outcome"] == "absent"
 

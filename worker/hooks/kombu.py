@@ -235,6 +235,15 @@ def _brpop_start(self: Any, timeout: Any = None) -> None:
         # kombu 5.5 defaults to a 1 s BRPOP, 5.6 on to the channel's brpop_timeout
         _KOMBU_BRPOP_START(self) if timeout is None else _KOMBU_BRPOP_START(self, timeout)
         return
+    if reading.linger:
+        reading.linger = False
+        linger = reserve.wake_linger_ms(self)
+        if linger > 0:  # woken: the requests arriving meanwhile share this reserve
+            reading.waiting = True
+            self._in_poll = self.client.connection
+            self._brpop_sent_at = monotonic()
+            self.client.connection.send_command(*reserve.linger_command(linger))
+            return
     queues = self._queue_cycle.consume(len(self.active_queues))
     if not queues:
         return
@@ -245,6 +254,7 @@ def _brpop_start(self: Any, timeout: Any = None) -> None:
             timeout = getattr(self, "brpop_timeout", 1)
         key = queue_key(self, queues[0], self.priority_steps[0])
         command = reserve.wait_command(key, timeout or 0)
+        reading.waking = not reading.full
         if reading.full:
             reading.full = False
             command = reserve.sleep_command(timeout or 0)
@@ -273,14 +283,15 @@ def _read_wait(self: Any, **options: Any) -> NoReturn:
     out. Either way the script reads next; the item in the reply is not needed, and a large
     one is dropped from the socket unread (on a plain socket; TLS replies are parsed)."""
     reading = _reading(self)
+    woke, reading.waking = reading.waking, False
     connection = self.client.connection
     try:
         peeked = redis_hooks.peek_bulk_reply(connection)
         if peeked is not None and peeked[1] > reserve.WAKE_READ_BYTES:
             header, size = peeked
             redis_hooks.discard(connection, header + size + 2)
-        else:
-            self.client.parse_response(connection, "BLMOVE", **options)
+        elif self.client.parse_response(connection, "BLMOVE", **options) is None:
+            woke = False  # timed out: nothing is queued to gather for
     except self.connection_errors:
         connection.disconnect()  # as kombu: the next iteration reconnects
         raise
@@ -300,6 +311,10 @@ def _read_wait(self: Any, **options: Any) -> NoReturn:
         )
         raise Empty() from None
     reading.busy = True
+    if woke:
+        now = monotonic()
+        reading.linger = now - reading.woke_at < reserve.LINGER_HORIZON
+        reading.woke_at = now
     raise Empty()
 
 
@@ -334,7 +349,9 @@ def _read_reserved(self: Any, sent: reserve.Request, **options: Any) -> bool:
         self._in_poll = None
         _flush_reauth(self)
     batch = sent.parse(reply)
-    reading.busy = len(batch) >= sent.limit
+    # A batch cut short by the byte budget leaves messages queued: read again at once (a
+    # wait would wake at once, and linger as if they had just arrived).
+    reading.busy = sent.took_all_it_could(batch)
     if not batch:
         lost_settles.lost.reserved(sent.score)
         raise Empty()

@@ -49,9 +49,9 @@ logger = logging.getLogger(__name__)
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 #: Outcomes after which a request's seq tells how long it waited (enqueue -> apply).
-_APPLIED = frozenset({"applied", "stale", "deleted"})
+_APPLIED = frozenset({"applied", "superseded", "deleted"})
 #: Outcomes of a task body that ran to its end (what the apply-duration histogram times).
-_RAN = frozenset({"applied", "stale", "deleted", "refreshed", "absent", "swept", "locked_out"})
+_RAN = frozenset({"applied", "superseded", "deleted", "refreshed", "absent", "swept", "locked_out"})
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
 _LAG_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600)

@@ -38,6 +38,7 @@ from rich.text import Text
 
 from checkpointq.store.errors import StoreUnavailable
 from checkpointq.store.urls import redact_url, redact_urls
+from checkpointq.tasks import held_rows
 from checkpointq.tasks.errors import BrokerUnavailable
 from checkpointq.worker import connections
 from checkpointq.worker.console import quiet_stdout
@@ -47,7 +48,7 @@ from checkpointq.worker.settings import Settings
 #: Outcomes in the order the throughput table shows them.
 OUTCOME_ORDER = (
     "applied",
-    "stale",
+    "superseded",
     "deleted",
     "refreshed",
     "absent",
@@ -84,6 +85,9 @@ class Snapshot:
     oldest_queued_known: bool = True
     #: Why the store refuses writes (workers pause meanwhile); None while it accepts them.
     store_refusing_writes: str | None = None
+    #: Sessions waiting on a database row another client holds, one line each
+    #: (``tasks/held_rows.py``): the workers apply every other session meanwhile.
+    held_rows: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -116,6 +120,7 @@ def collect(settings: Settings) -> Snapshot:
         sessions = store.count_sessions(now)
         workers = health.live_workers(side, keys)
         next_sweep = health.next_sweep(settings, side)
+        held = [row.line(now) for row in held_rows.read(side, keys, now)]
         refusal = store.write_refusal()
     finally:
         store.close()
@@ -138,6 +143,7 @@ def collect(settings: Settings) -> Snapshot:
         ),
         next_sweep=next_sweep,
         store_refusing_writes=refusal,
+        held_rows=held,
     )
 
 
@@ -231,11 +237,21 @@ def _oldest(snapshot: Snapshot) -> str:
 #: everything else on the screen; more are summed up in one "+N more" row.
 MAX_FLOW_ROWS = 7
 MAX_WORKER_ROWS = 4
+#: Sessions waiting on held rows shown one a line; more are counted.
+MAX_HELD_ROWS = 2
 
 
 def _table(title: str, *columns: str) -> Table:
     """A borderless table (a rule under its header): every line of the screen is data."""
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1))
+    # min_width: a title longer than the columns under it would wrap onto a second line,
+    # into the panel beside it ("refused, by reason" did, at 80 and 120 columns).
+    table = Table(
+        title=title,
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1),
+        min_width=len(title),
+    )
     table.show_edge = False
     for column in columns:
         table.add_column(column, justify="left" if column in ("task", "outcome") else "right")
@@ -278,6 +294,12 @@ def render(
                 overflow="ellipsis",
             )
         )
+
+    for line in snapshot.held_rows[:MAX_HELD_ROWS]:
+        lines.append(Text(line, style="bold yellow", no_wrap=True, overflow="ellipsis"))
+    if len(snapshot.held_rows) > MAX_HELD_ROWS:
+        more = len(snapshot.held_rows) - MAX_HELD_ROWS
+        lines.append(Text(f"+{more} more session(s) waiting on held rows", style="yellow"))
 
     due = None if snapshot.next_sweep is None else snapshot.next_sweep - snapshot.time
     state = Table.grid(padding=(0, 2))
@@ -358,6 +380,7 @@ def stats_lines(snapshot: Snapshot) -> list[str]:
         else f"in {_duration(max(0.0, due))}",
     }
     lines = [f"{name:<22} {value}" for name, value in shown.items()]
+    lines += [f"{'held_row':<22} {line}" for line in snapshot.held_rows]
     lines += [f"requests {name:<13} {count}" for name, count in sorted(snapshot.requests.items())]
     lines += [
         f"dead_lettered {kind:<8} {count}"
@@ -412,8 +435,35 @@ def run(settings: Settings, *, interval: float = 1.0, once: bool = False) -> boo
         except (KeyboardInterrupt, _Abandoned):
             # Ctrl-C; the last frame drawn, or not: nothing left in stdout's buffer may hold
             # the exit (``main`` flushes it, and the terminal may take no more).
+            _show_cursor(console.file)
             quiet_stdout()
     return True
+
+
+#: The terminal's "show the cursor" sequence (``Live`` hid it).
+SHOW_CURSOR = b"\x1b[?25h"
+
+
+def _show_cursor(output: IO[str]) -> None:
+    """Show the cursor again, whatever became of ``Live``'s own attempt: a wind-down cut
+    short by Ctrl-C or the deadline may leave it in a buffer that is then dropped. Written
+    straight to the terminal without waiting; one that takes nothing more has what it still
+    holds dropped first (the frames it was not shown), so the sequence fits."""
+    if not output.isatty():
+        return
+    fd = output.fileno()
+    blocking = os.get_blocking(fd)
+    os.set_blocking(fd, False)
+    try:
+        try:
+            os.write(fd, SHOW_CURSOR)
+        except BlockingIOError:
+            termios.tcflush(fd, termios.TCOFLUSH)
+            os.write(fd, SHOW_CURSOR)
+    except OSError:
+        pass  # a terminal gone or still full: nothing left to show it on
+    finally:
+        os.set_blocking(fd, blocking)
 
 
 #: Seconds ``top`` may take to wind down after Ctrl-C (close its connections, draw its last

@@ -7,17 +7,29 @@
 -- Go client's copy, byte for byte.
 --
 -- ARGV[1]  the mode:
---   'one'    KEYS: the session's entries, the pending epoch, its earlier-layout record.
---            ARGV[2]: the session's value key prefix (<prefix>.cq:pending-value:<n>:<id>:,
---            to which a save's request id is appended), ARGV[3]: the session TTL in ms.
---            Returns {seq, op, req, value, epoch}: op 'save' with its value, 'delete', or
---            'lapsed' (a save past its deadline: never to be stored, its session reads as
---            expired); false for each when there is no entry.
+--   'one'    KEYS: the session's entries, the pending epoch, its earlier-layout record,
+--            the pending mark (publish.lua's counter), the pending index, the pending
+--            counts. ARGV[2]: the
+--            session's value key prefix (<prefix>.cq:pending-value:<n>:<id>:, to which a
+--            save's request id is appended), ARGV[3]: the session TTL in ms, ARGV[4]: the
+--            session id; ARGV[5], ARGV[6] (optional): the highest mark the caller saw
+--            and its token (publish.lua's ARGV[7..8]).
+--            Returns {seq, op, req, value, epoch, mark, forked, token}: op 'save' with its value,
+--            'delete', or 'lapsed' (a save past its deadline: never to be stored, its
+--            session reads as expired); false for each when there is no entry. Op
+--            'missing' (seq false) instead when the index still holds the session (a
+--            request of it is queued) and fewer entries are left than the counts say:
+--            deleted by hand or evicted, not settled (settle.lua counts each it removes,
+--            and removes the index entry with the last one). A missing record is not an
+--            applied one: the caller must not serve an older answer. forked: 1 when the
+--            ring's slot of ARGV[5] holds that mark with another token than ARGV[6] (the
+--            broker lost it and gave it again: a loss, as a mark below ARGV[5] is), else 0;
+--            token: the current mark's token, false when its slot holds another mark.
 --   'store'  KEYS: as 'one', then the session's data key and fence hash, on this same
---            Redis (one Redis for broker and store). ARGV as 'one'. Returns 'one's five,
---            then {stored value, fence seq, deleted, req, deadline}: a save entry's value
---            only when the entry is ordered after the fence, the stored value only when
---            it is not (a load needs one of them).
+--            Redis (one Redis for broker and store). ARGV as 'one'. Returns 'one's first
+--            five, then {stored value, fence seq, deleted, req, deadline}: a save entry's
+--            value only when the entry is ordered after the fence, the stored value only
+--            when it is not (a load needs one of them); then the mark, forked and token.
 --   'heads'  KEYS: per session, its entries then its earlier-layout record. ARGV[2]: the
 --            session TTL in ms. Returns {seq, op, req} per session, false where none.
 -- A value key named from the prefix, not in KEYS, is allowed on a single Redis: pending
@@ -86,12 +98,36 @@ end
 
 local best = head(KEYS[1], KEYS[3], ARGV[2])
 local epoch = redis.call('GET', KEYS[2])
-local none = best or {false, false, false}
-if mode == 'one' then
-  return {none[1], none[2], none[3], value(best), epoch}
+local mark = redis.call('HGET', KEYS[4], 'n')
+
+-- The token of a mark, from the ring in the pending mark (publish.lua): false when its slot
+-- holds another mark (overwritten 65536 publishes later, or never written).
+local function token(of)
+  local at, held = string.match(redis.call('HGET', KEYS[4], 't' .. (tonumber(of) % 65536))
+    or '', '^(%d+):(.+)$')
+  return at == of and held
 end
-local fence = redis.call('HMGET', KEYS[5], 'seq', 'deleted', 'req', 'deadline')
+
+local forked = 0
+if ARGV[6] and ARGV[6] ~= '' then
+  local held = token(ARGV[5])
+  forked = (held and held ~= ARGV[6]) and 1 or 0
+end
+local current = mark and token(mark) or false
+local none = best or {false, false, false}
+local due = tonumber(redis.call('ZSCORE', KEYS[5], ARGV[4]))
+if due and due > now_ms and (tonumber(redis.call('HGET', KEYS[6], ARGV[4])) or 0)
+    > redis.call('HLEN', KEYS[1]) then
+  best, none = nil, {false, 'missing', false}
+elseif not best and due and due > now_ms and redis.call('EXISTS', KEYS[3]) == 0 then
+  none[2] = 'missing' -- no entry left, none counted (a deployment before the counts)
+end
+if mode == 'one' then
+  return {none[1], none[2], none[3], value(best), epoch, mark, forked, current}
+end
+local fence = redis.call('HMGET', KEYS[8], 'seq', 'deleted', 'req', 'deadline')
 local answers = best and (not fence[1] or after(tonumber(best[1]), best[2] == 'delete', best[3],
   tonumber(fence[1]), fence[2] == '1', fence[3] or ''))
 return {none[1], none[2], none[3], answers and value(best) or false, epoch,
-  (not answers) and redis.call('GET', KEYS[4]) or false, fence[1], fence[2], fence[3], fence[4]}
+  (not answers) and redis.call('GET', KEYS[7]) or false, fence[1], fence[2], fence[3], fence[4],
+  mark, forked, current}

@@ -29,6 +29,7 @@ import (
 	"io"
 	"os"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -71,15 +72,17 @@ func (r *recorder) Eval(_ context.Context, script string, keys []string, args ..
 	nils := func(n int) []interface{} { return make([]interface{}, n) }
 	switch {
 	case len(keys) > 0 && keys[0] == r.queue: // publish.lua
-		return "recorded-epoch", nil
+		return []interface{}{"recorded-epoch", int64(1), int64(0)}, nil
+	case len(args) == 0 && strings.Contains(script, "return tonumber(t[1])"): // List's time read
+		return int64(1_800_000_000_000), nil
 	case len(args) == 0: // load.lua: nothing stored, and the server's time
 		return append(nils(5), int64(0)), nil
 	}
 	switch string(c.Args[0]) {
 	case "one":
-		return nils(5), nil
+		return nils(8), nil
 	case "store":
-		return nils(10), nil
+		return nils(13), nil
 	case "heads":
 		return nils(3 * len(keys) / 2), nil
 	}
@@ -160,19 +163,21 @@ func run(session string, clock int64, queue, prefix string, ttl, ahead int64) er
 		return err
 	}
 	calls["delete"] = one.last()
+	// (a read is followed by the store-identity check's own calls: the load's is the first)
+	loading := len(one.calls)
 	if _, err := c.Load(ctx, session); err != nil {
 		return err
 	}
-	calls["load_store"] = one.last()
+	calls["load_store"] = one.calls[loading]
 	listed := len(one.calls)
 	if _, err := c.List(ctx); err != nil {
 		return err
 	}
-	calls["heads"] = one.calls[listed] // the first call of the list
+	calls["heads"] = one.calls[listed+1] // the first call of the list after the store's time
 	broker, store := &recorder{queue: queue}, &recorder{queue: queue}
 	if _, err := checkpointq.New[checkpointq.Checkpoint](config(broker, store)).Load(ctx, session); err != nil {
 		return err
 	}
-	calls["load_one"], calls["load_one_store"] = broker.last(), store.last()
+	calls["load_one"], calls["load_one_store"] = broker.calls[0], store.calls[0]
 	return json.NewEncoder(os.Stdout).Encode(calls)
 }

@@ -4,7 +4,7 @@
 -- The history check must find that (test_histories.py). KEYS and ARGV as settle.lua's.
 local settled = #ARGV / 5
 for i = 1, settled do
-  local a, k = 5 * (i - 1), 1 + 4 * (i - 1)
+  local a, k = 5 * (i - 1), 2 + 4 * (i - 1)
   local id, req, values = ARGV[a + 1], ARGV[a + 2], ARGV[a + 5]
   local entries, legacy = KEYS[k + 1], KEYS[k + 2]
   local own = redis.call('HGET', entries, req)
@@ -14,11 +14,13 @@ for i = 1, settled do
     for j = 1, #flat, 2 do
       if tonumber(string.match(flat[j + 1], '^(%d+)')) <= seq then
         redis.call('HDEL', entries, flat[j])
+        redis.call('HINCRBY', KEYS[2], id, -1) -- counted, so loads take it as settled
       end
     end
   end
   if redis.call('EXISTS', entries, legacy) == 0 then
     redis.call('ZREM', KEYS[1], id)
+    redis.call('HDEL', KEYS[2], id)
   end
   if values ~= '0' then
     redis.call('DEL', KEYS[k + 3])

@@ -1,0 +1,1 @@
+"""Adapters that plug checkpointq into other frameworks (each an optional extra)."""
