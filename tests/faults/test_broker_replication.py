@@ -27,6 +27,7 @@ from checkpointq.tasks.producer.client import CheckpointClient
 from checkpointq.tasks.producer.clock import SeqClock
 from checkpointq.tasks.producer.outcomes import APPLIED, SUPERSEDED
 from checkpointq.worker.ops import health
+from checkpointq.worker.ops.health import online_replicas
 from checkpointq.worker.settings import Settings
 from tests.faults.harness import QUEUE, Deployment
 from tests.faults.test_broker_faults import _client as broker_faults_client
@@ -48,7 +49,6 @@ def replica(broker: RedisServer) -> Iterator[RedisServer]:
     """A replica of the fault suite's broker, in sync before the test starts."""
     primary = broker.client()
     primary.config_set("repl-diskless-sync-delay", 0)  # sync at once, not after 5 s
-    primary.close()
     server = RedisServer(extra_args=["--replicaof", "127.0.0.1", str(broker.port)]).start()
     probe = server.client()
     try:
@@ -56,8 +56,15 @@ def replica(broker: RedisServer) -> Iterator[RedisServer]:
             lambda: probe.info("replication")["master_link_status"] == "up",
             message="the replica in sync",
         )
+        # The replica says "up" once it loaded the snapshot; the primary counts it online
+        # only on its first acknowledgement after that, and health reads the primary's view.
+        wait_until(
+            lambda: online_replicas(primary.info("replication")) == 1,
+            message="the primary sees its replica online",
+        )
         yield server
     finally:
+        primary.close()
         probe.close()
         server.cleanup()
 
