@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,9 @@ from tests.support.workers import QUEUE
 from tests.worker.conftest import Deployment
 
 pytestmark = pytest.mark.integration
+
+#: Seconds the outage's saves are held (their ETA): the worker takes them meanwhile.
+OUTAGE_ETA_SECONDS = 8
 
 
 def wire(session_id: str, version: int = 1, **kw: Any) -> dict[str, Any]:
@@ -191,28 +195,45 @@ def test_replaying_a_dead_letter_applies_the_original_request(live: Deployment) 
 def test_saves_sent_while_the_store_is_down_are_applied_once_it_is_back(
     live: Deployment,
 ) -> None:
+    broker = live.broker_client()
+    # Given five saves in the worker's hands, held until an ETA (a worker that noticed the
+    # outage first would stop taking messages, and a save it never took is never retried)
+    eta = (datetime.now(UTC) + timedelta(seconds=OUTAGE_ETA_SECONDS)).isoformat()
+    saves = [
+        protocol2(SAVE, [wire(f"outage-{i}", version=i)], {"seq": 1_000 + i}, eta=eta)
+        for i in range(5)
+    ]
+    broker.lpush(QUEUE, *saves)
+    wait_until(
+        lambda: broker.llen(QUEUE) == 0,
+        timeout=OUTAGE_ETA_SECONDS,
+        message="the worker to take the five saves before their ETA",
+    )
+    mark = len(live.worker.log())
+    # When the store Redis goes down (the broker stays up) before they are due
+    live.store.stop()
+    try:
+        # Then the worker stops taking messages, and retries the saves it holds once due
+        wait_until(
+            lambda: "retry" in live.worker.log()[mark:],
+            timeout=OUTAGE_ETA_SECONDS + 20,
+            message="the held saves to be retried",
+        )
+        assert "store refusing writes" in live.worker.log()[mark:]
+    finally:
+        # And once the store is back
+        live.store.start()
     with live.checkpoint_client() as client:
-        # Given the store Redis goes down (the broker stays up)
-        mark = len(live.worker.log())
-        live.store.stop()
-        try:
-            # When saves arrive meanwhile
-            handles = [client.save(make_checkpoint(f"outage-{i}", version=i)) for i in range(5)]
-            # and the worker has retried them, then stopped taking messages
+        for i in range(5):
             wait_until(
-                lambda: "store refusing writes" in live.worker.log()[mark:],
-                timeout=20,
-                message="the worker to pause",
+                lambda i=i: client.load(f"outage-{i}") is not None,
+                timeout=30,
+                message=f"outage-{i} applied",
             )
-            assert "retry" in live.worker.log()[mark:]
-        finally:
-            # Then, once the store is back
-            live.store.start()
-        for handle in handles:
-            client.wait_durable(handle, timeout=30)
         # every save is applied, and none was dead-lettered
         assert sorted(client.list()) == [f"outage-{i}" for i in range(5)]
-        assert live.dead_letters().count() == 0
+        assert [client.load(f"outage-{i}").version for i in range(5)] == list(range(5))  # type: ignore[union-attr]
+    assert live.dead_letters().count() == 0
 
 
 def test_the_envelope_documented_in_protocol_md_is_applied_as_written(live: Deployment) -> None:
