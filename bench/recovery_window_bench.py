@@ -9,12 +9,12 @@ of ``--calls`` calls:
   10 s) and off (``republish_seconds=0``): the window's cost on the request path;
 * publish.lua itself, a plain 20 KB save's call sent raw (EVALSHA) as it is now (sending the
   epoch, mark and token of its previous reply, as a client does) and, with ``--before``, as
-  the script was before the mark (``git show 7ab885f:tasks/lua/publish.lua``, called with its
-  own arguments), with ``--untokened``, before the mark's token (``git show
-  2c9a153:tasks/lua/publish.lua``: epoch and mark only): the mark's and the token's cost;
+  the script was before the mark (``git show 101094d:tasks/lua/publish.lua``, called with its
+  own arguments), with ``--untokened``, before the mark's token (epoch and mark only: a state
+  of the work restored in c5234a2, no longer in the history): the mark's and the token's cost;
 * with ``--read-untokened``, read_pending.lua's 'one' call (a session with nothing pending,
-  sending the mark and token publish.lua now last returned) now and before the token (``git show
-  2c9a153:tasks/lua/read_pending.lua``): what the token's two reads cost a load.
+  sending the mark and token publish.lua now last returned) now and before the token (a file
+  of that state): what the token's two reads cost a load.
 
 Then the window's memory: the bytes it keeps per 20 KB staged save (``RecentPublishes.bytes``).
 """
