@@ -97,8 +97,11 @@ class Coalescer:
         keys: KeySpace | None = None,
         settle_elsewhere: Callable[[list[Settled]], None] | None = None,
         events: GroupEvents | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.consumer = consumer
+        #: Seconds, for the window (a test's clock stands still while its loop turns).
+        self._clock = clock
         #: Names the pending records that the acks settle.
         self.keys = keys or KeySpace()
         #: Settles records where the acks cannot carry settle.lua (no kombu Redis QoS).
@@ -126,7 +129,7 @@ class Coalescer:
         self.events.received(pending.celery_task, pending.message, pending.ack, pending.reject)
         self._group.append(pending)
         if len(self._group) == 1:
-            self._opened = time.monotonic()
+            self._opened = self._clock()
         self._consider(at_once=False)
 
     def _consider(self, *, at_once: bool) -> None:
@@ -137,7 +140,7 @@ class Coalescer:
         if len(self._group) < self.max_items:
             if self._in_flight >= self.slots:
                 return  # every process busy: it fills; ``_settle`` considers it again
-            waited = time.monotonic() - self._opened
+            waited = self._clock() - self._opened
             if self._in_flight and waited < self.window:
                 # Another group is in the pool: the load is up, and a few ms buy a group
                 # larger than one turn's delivery, so less work per message.
