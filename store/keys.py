@@ -266,6 +266,13 @@ class KeySpace:
         that a load tells a missing entry from a settled one (read_pending.lua)."""
         return f"{self._internal}:pending-counts"
 
+    def pending_counted(self, session_id: str) -> str:
+        """The session's counted requests, on the broker: request id -> "<seq> <op>", each
+        request its count includes and no settle has spent yet. Unlike its entry, which an
+        operator or eviction may remove, this is how a settle knows the count is its own to
+        spend, once (tests/model/README.md, finding 6)."""
+        return f"{self._internal}:pending-counted:{session_id}"
+
     def pending_suspects(self) -> str:
         """Pending entries whose message the last reap did not find (tasks/orphans.py)."""
         return f"{self._internal}:pending-suspects"
