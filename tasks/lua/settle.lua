@@ -69,8 +69,11 @@ for i = 1, settled do
       ours = false
     end
   end
-  if ours and seq ~= '' then
-    if redis.call('HGET', counted, req) == stamp then
+  local mine = redis.call('HGET', counted, req)
+  if mine and (seq == '' or mine ~= stamp) then
+    ours = false -- counted as another request (its entry gone): nothing of it is ours
+  elseif ours and seq ~= '' then
+    if mine then
       redis.call('HDEL', counted, req)
       spent = true
     elseif not entry and uncounted(id, entries, counted) > 0 then
