@@ -100,6 +100,8 @@ class KeySpace:
                                             the last loss found
         agentorca-session.cq:pending-counts hash: session id -> entries written and not
                                             settled (fewer left: some went missing)
+        agentorca-session.cq:pending-counted:<id>  hash: the requests that count includes
+                                            (request id -> "<seq> <op>"), each spent once
         agentorca-session.cq:pending-suspects  hash: entries whose message the last reap
                                             did not find (settled as lost at the next)
     """
