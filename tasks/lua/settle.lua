@@ -35,10 +35,12 @@
 --              'delete'), and what to do with its values: '0' keep them (a dead letter that
 --              could not take the value leaves it for people, until its deadline), '1'
 --              delete the value, '2' delete it and the earlier-layout value
--- The values go only when no other request's entry holds the id. A session whose entries
--- are all gone leaves the index, and so does every index entry past its deadline (its
--- entries expired with it).
+-- The values go only when no other request's entry or counted field holds the id. A
+-- session whose entries are all gone and whose count is spent leaves the index (its counted
+-- requests go too), and so does every index entry past its deadline (its entries expired
+-- with it).
 -- Returns the number of entries removed.
+
 -- How many of session id's count no counted field and no entry explain: requests counted by
 -- a publish before the counted requests (or whose counted field was lost) and missing.
 local function uncounted(id, entries, counted)
