@@ -100,6 +100,8 @@ class KeySpace:
                                             the last loss found
         agentorca-session.cq:pending-counts hash: session id -> entries written and not
                                             settled (fewer left: some went missing)
+        agentorca-session.cq:pending-counted:<id>  hash: the requests that count includes
+                                            (request id -> "<seq> <op>"), each spent once
         agentorca-session.cq:pending-suspects  hash: entries whose message the last reap
                                             did not find (settled as lost at the next)
     """
@@ -265,6 +267,13 @@ class KeySpace:
         """How many entries each session's publishes wrote and settles did not remove, so
         that a load tells a missing entry from a settled one (read_pending.lua)."""
         return f"{self._internal}:pending-counts"
+
+    def pending_counted(self, session_id: str) -> str:
+        """The session's counted requests, on the broker: request id -> "<seq> <op>", each
+        request its count includes and no settle has spent yet. Unlike its entry, which an
+        operator or eviction may remove, this is how a settle knows the count is its own to
+        spend, once (tests/model/README.md, finding 6)."""
+        return f"{self._internal}:pending-counted:{session_id}"
 
     def pending_suspects(self) -> str:
         """Pending entries whose message the last reap did not find (tasks/orphans.py)."""

@@ -151,6 +151,7 @@ def reap(
         pipe.hset(suspects_key, mapping=dict.fromkeys(fresh, now_us))
     for session_id in spent:
         pipe.hdel(keys.pending_counts(), session_id)
+        pipe.delete(keys.pending_counted(session_id))
         pipe.zrem(keys.pending_index(), session_id)
     pipe.execute()
     if spent:

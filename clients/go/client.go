@@ -427,7 +427,8 @@ func (c *Client[C]) publishCall(h Handle, msg []byte, token string, value []byte
 		op, value = opDelete, []byte{}
 	}
 	keys := []string{c.cfg.Queue, c.keys.pendingIndex(), c.keys.pendingEpoch(), c.keys.pendingMark(),
-		c.keys.pendingCounts(), c.keys.pendingRequests(h.SessionID), c.keys.pendingValue(h.SessionID, h.TaskID)}
+		c.keys.pendingCounts(), c.keys.pendingRequests(h.SessionID), c.keys.pendingValue(h.SessionID, h.TaskID),
+		c.keys.pendingCounted(h.SessionID)}
 	seenEpoch, seenMark, seenToken := c.epochs.seen()
 	args := []interface{}{msg, c.cfg.SessionTTL.Milliseconds(), token, c.cfg.Now().UnixMicro(),
 		c.cfg.MaxSeqAhead.Microseconds(), seenEpoch, seenMark, seenToken, h.SessionID, h.Seq, op, h.TaskID, value}

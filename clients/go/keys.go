@@ -25,6 +25,9 @@ import (
 //	                                              request only), still read by the scripts
 //	<prefix>.cq:pending                           the index: id -> latest entry deadline (ms)
 //	<prefix>.cq:pending-epoch                     a token that changes when the broker lost its data
+//	<prefix>.cq:pending-counts                    id -> requests counted and not settled
+//	<prefix>.cq:pending-counted:<id>              the requests that count includes:
+//	                                              request id -> "<seq> <op>"
 //
 // Redis Cluster (ClusterKeySpace): the data key is the same, while a session's fence,
 // refusal records and deadline index carry the hash tag of its data key's slot, so that
@@ -68,6 +71,12 @@ func (k keySpace) pendingIndex() string            { return k.internal() + ":pen
 func (k keySpace) pendingEpoch() string            { return k.internal() + ":pending-epoch" }
 func (k keySpace) pendingMark() string             { return k.internal() + ":pending-mark" }
 func (k keySpace) pendingCounts() string           { return k.internal() + ":pending-counts" }
+
+// pendingCounted is the session's counted requests (request id -> "<seq> <op>"): those its
+// count includes, each spent once by its own settle (publish.lua).
+func (k keySpace) pendingCounted(sessionID string) string {
+	return k.internal() + ":pending-counted:" + sessionID
+}
 
 func (k keySpace) fence(sessionID string) string { return k.sessionKey("fence", sessionID) }
 

@@ -395,6 +395,17 @@ func TestThePendingEntriesAreTheDocumentedLayout(t *testing.T) {
 	if n, err := redis.Int(env.broker.Do("EXISTS", c.keys.pendingValue(id, del.TaskID))); n != 0 || err != nil {
 		t.Fatalf("a delete's value key exists: %d, %v", n, err)
 	}
+	// And the session's counted requests hold both, as the entries do, until the same
+	// deadline: each request's settle spends the count once (publish.lua, settle.lua)
+	counted := DefaultPrefix + ".cq:pending-counted:" + id
+	if held, err := redis.StringMap(env.broker.Do("HGETALL", counted)); err != nil || len(held) != 2 ||
+		held[h.TaskID] != fields[h.TaskID] || held[del.TaskID] != fields[del.TaskID] || expiresAt(counted) != deadline(del.Seq) {
+		t.Fatalf("counted requests %q = %q (%v), expiring at %d; want the entries %q", counted, held, err,
+			expiresAt(counted), fields)
+	}
+	if n, err := redis.Int(env.broker.Do("HGET", DefaultPrefix+".cq:pending-counts", id)); n != 2 || err != nil {
+		t.Fatalf("count %d, %v; want 2", n, err)
+	}
 	score, err = redis.Int64(env.broker.Do("ZSCORE", DefaultPrefix+".cq:pending", id))
 	if expiresAt(entries) != deadline(del.Seq) || err != nil || score != deadline(del.Seq) {
 		t.Fatalf("entries expire at %d, index %d (%v); want the delete's deadline %d", expiresAt(entries), score, err, deadline(del.Seq))

@@ -9,41 +9,80 @@
 -- nothing of that request, neither its entry nor its staged value.
 --
 -- KEYS[1]      the pending index: sorted set, session id -> latest entry deadline (ms)
--- KEYS[2]      the pending counts (publish.lua's): a removed entry counts one less, and
---              so does a request whose entry is missing while the counts say one is (a
---              session leaves the index only once its count is spent)
--- KEYS[3..]    four per settled request, in ARGV order: its session's entries
+-- KEYS[2]      the pending counts (publish.lua's): a settled request counts one less if
+--              the count includes it, once (a session leaves the index only once its count
+--              is spent)
+-- KEYS[3..]    five per settled request, in ARGV order: its session's entries
 --              (<prefix>.cq:pending-requests:<id>), its session's earlier-layout record
 --              (<prefix>.cq:pending:<id>, removed only if it names this request and stamp),
---              its value (<prefix>.cq:pending-value:...) and its earlier-layout value
+--              its value (<prefix>.cq:pending-value:...), its earlier-layout value, and its
+--              session's counted requests (<prefix>.cq:pending-counted:<id>, publish.lua's)
+--
+-- Which settle spends a count (tests/model/README.md, finding 6): the count includes a
+-- request while its field in the counted requests holds its stamp; removing that field
+-- (HDEL, 1 once) is what spends it, whether its entry is still there or went missing
+-- (deleted by hand, evicted). A request whose entry is missing and that is not counted
+-- spends nothing: a redelivered duplicate settled already, a request whose records expired
+-- or went with the broker's data; the count it would spend is another request's, still
+-- queued, for which loads must go on refusing. An entry of its own found without a counted
+-- field (published before the counted requests, or their hash lost) was counted by its
+-- publish, so removing it spends one. Counts from publishes before the counted requests
+-- (by clients of an earlier release) are the counts no counted field explains: a settle
+-- whose entry is missing spends one of those, as every such settle did before, only while
+-- one is left.
 -- ARGV[..]     five per settled request: session id, request id, seq ('' when the message
 --              carried none that parses: then no entry is its own), op ('save' or
 --              'delete'), and what to do with its values: '0' keep them (a dead letter that
 --              could not take the value leaves it for people, until its deadline), '1'
 --              delete the value, '2' delete it and the earlier-layout value
--- The values go only when no other request's entry holds the id. A session whose entries
--- are all gone leaves the index, and so does every index entry past its deadline (its
--- entries expired with it).
+-- The values go only when no other request's entry or counted field holds the id. A
+-- session whose entries are all gone and whose count is spent leaves the index (its counted
+-- requests go too), and so does every index entry past its deadline (its entries expired
+-- with it).
 -- Returns the number of entries removed.
+
+-- How many of session id's count no counted field and no entry explain: requests counted by
+-- a publish before the counted requests (or whose counted field was lost) and missing.
+local function uncounted(id, entries, counted)
+  local left = (tonumber(redis.call('HGET', KEYS[2], id)) or 0) - redis.call('HLEN', counted)
+  for _, req in ipairs(redis.call('HKEYS', entries)) do
+    if left <= 0 then
+      break
+    end
+    left = left - (1 - redis.call('HEXISTS', counted, req))
+  end
+  return left
+end
+
 local removed = 0
 local settled = #ARGV / 5
 for i = 1, settled do
-  local a, k = 5 * (i - 1), 2 + 4 * (i - 1)
+  local a, k = 5 * (i - 1), 2 + 5 * (i - 1)
   local id, req, seq, op, values = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5]
-  local entries, legacy = KEYS[k + 1], KEYS[k + 2]
-  local ours = true
+  local entries, legacy, counted = KEYS[k + 1], KEYS[k + 2], KEYS[k + 5]
+  local ours, spent = true, false
+  local stamp = seq .. ' ' .. op
   local entry = redis.call('HGET', entries, req)
   if entry then
-    if seq ~= '' and entry == seq .. ' ' .. op then
+    if seq ~= '' and entry == stamp then
       removed = removed + redis.call('HDEL', entries, req)
-      redis.call('HINCRBY', KEYS[2], id, -1)
+      spent = true
     else
       ours = false
     end
-  elseif seq ~= '' and (tonumber(redis.call('HGET', KEYS[2], id)) or 0)
-      > redis.call('HLEN', entries) then
-    -- Its entry is missing (deleted by hand, evicted) and the counts say so: this is one
-    -- of the requests loads refuse to answer for; one fewer is left to land.
+  end
+  local mine = redis.call('HGET', counted, req)
+  if mine and (seq == '' or mine ~= stamp) then
+    ours = false -- counted as another request (its entry gone): nothing of it is ours
+  elseif ours and seq ~= '' then
+    if mine then
+      redis.call('HDEL', counted, req)
+      spent = true
+    elseif not entry and uncounted(id, entries, counted) > 0 then
+      spent = true -- the rule before the counted requests, for a count from then
+    end
+  end
+  if spent then
     redis.call('HINCRBY', KEYS[2], id, -1)
   end
   local old = redis.call('HMGET', legacy, 'req', 'seq', 'op')
@@ -59,6 +98,7 @@ for i = 1, settled do
       and (tonumber(redis.call('HGET', KEYS[2], id)) or 0) <= 0 then
     redis.call('ZREM', KEYS[1], id)
     redis.call('HDEL', KEYS[2], id)
+    redis.call('DEL', counted)
   end
   if ours and values ~= '0' then
     redis.call('DEL', KEYS[k + 3])

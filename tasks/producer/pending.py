@@ -464,6 +464,7 @@ class RecordCalls:
             keys += [
                 self.keys.pending_requests(record.session_id),
                 self.keys.pending_value(record.session_id, record.request_id),
+                self.keys.pending_counted(record.session_id),
             ]
             op, value = (STAGED_OP, b"") if record.staged else (record.op, record.value)
             args += [record.session_id, record.seq, op, record.request_id, value]
@@ -981,6 +982,7 @@ def settle_command(keys: KeySpace, settled: Sequence[Settlement]) -> tuple[list[
             keys.pending(session_id),
             keys.pending_value(session_id, request_id),
             keys.legacy_pending_value(request_id),
+            keys.pending_counted(session_id),
         ]
         values = "0" if keep_value else "2" if legacy_staged else "1"
         op = DELETE_OP if deleted else SAVE_OP

@@ -20,6 +20,7 @@ from checkpointq.tasks.errors import PendingRecordMissing
 from checkpointq.tasks.producer.client import CheckpointClient, Handle
 from checkpointq.tasks.producer.clock import SeqClock, wall_clock_us
 from checkpointq.tasks.producer.outcomes import APPLIED, LOST, SUPERSEDED
+from checkpointq.tasks.producer.pending import Settlement, Settler
 from checkpointq.worker.ops import health
 from checkpointq.worker.settings import Settings
 from tests.faults.harness import QUEUE, SAVE, Deployment, Request, push
@@ -272,6 +273,44 @@ def test_a_missing_pending_record_is_refused_not_read_as_applied(
 
     wait_until(answered, timeout=30, interval=0.05, message="loads answer turn 2 again")
     assert all(_turns(client.load(s)) == ["t1", "t2"] for s in sessions)
+
+
+def test_a_redelivered_settle_does_not_spend_the_count_of_another_missing_record(
+    deployment: Deployment, client: CheckpointClient
+) -> None:
+    # Finding 6 (tests/model/README.md): a settle whose own entry is gone used to count one
+    # less whenever the count expected a missing entry, whoever's it was.
+    session_id = "spent-count"
+    broker = deployment.broker_client()
+    entries = deployment.keys.pending_requests(session_id)
+    worker = deployment.worker()
+    _turn(client, session_id, 1)
+    second = _turn(client, session_id, 2)
+    assert client.wait_durable(second, timeout=60).outcome == APPLIED
+    wait_until(lambda: not broker.exists(entries), timeout=30, message="turn 2 settled")
+    worker.terminate()
+    # Given turn 3 accepted, its message queued, and its entry deleted by an operator
+    third = _turn(client, session_id, 3)
+    broker.delete(entries)
+    with pytest.raises(PendingRecordMissing, match="missing on the broker"):
+        client.load(session_id)
+    # When turn 2's message is delivered again (a restore after the visibility timeout) and
+    # its worker, finding it stale, settles it again: the worker's own settle call
+    Settler(broker, deployment.keys).settle([Settlement(session_id, second.request, second.seq)])
+    # Then loads still refuse: answering turn 2 would read turn 3, still queued, as applied
+    with pytest.raises(PendingRecordMissing, match="missing on the broker"):
+        client.load(session_id)
+    # And once a worker applies turn 3, loads answer it
+    deployment.worker()
+    assert client.wait_durable(third, timeout=60).outcome == APPLIED
+
+    def answered() -> bool:
+        try:
+            return _turns(client.load(session_id)) == ["t1", "t2", "t3"]
+        except PendingRecordMissing:
+            return False
+
+    wait_until(answered, timeout=30, interval=0.05, message="loads answer turn 3")
 
 
 def test_a_purged_queue_leaves_no_record_serving_a_turn_that_never_lands(

@@ -52,11 +52,9 @@ _WEIGHTS: tuple[tuple[str, int], ...] = (
     ("hijack", 1),
 )
 #: The broker's faults of issue 44, after about one step in thirty, from a stream of their
-#: own (so that the other steps are still the seed's): a purged queue, and a broker that
-#: goes back to a snapshot taken earlier. (``drop``, records deleted by hand, is not drawn:
-#: with a redelivered duplicate it can still end a load's refusal early,
-#: docs/reliability.md; the kept regressions replay the cases it fixed.)
-_BROKER_FAULTS = ("purge", "snapshot", "snapshot", "rewind")
+#: own (so that the other steps are still the seed's): a purged queue, a broker that goes
+#: back to a snapshot taken earlier, and records deleted by hand (``drop``).
+_BROKER_FAULTS = ("purge", "snapshot", "snapshot", "rewind", "drop")
 _BROKER_FAULT_RATE = 1 / 30
 #: The database's faults, drawn in PostgreSQL worlds only (about one step in twenty): a row
 #: held by another client and released, the schema moved under the workers and back, the

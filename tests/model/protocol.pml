@@ -23,8 +23,9 @@
  *   NO_RECORD_COUNTS         loads do not compare a session's entries with its count
  *   SWEEP_QUEUE_ONLY         the sweep takes a message in unacked for gone
  *   NO_MARK                  producers compare epochs only, not marks (before issue 44)
- *   EXACT_SETTLE             (a fix, not the code) a settle counts a missing entry only if
- *                            it is its own: the settled ids behind the count
+ *   SETTLE_ANY_MISSING       a settle whose entry is missing counts one less whenever the
+ *                            count expects a missing entry, whoever's (before the counted
+ *                            requests: finding 6)
  * The broker's faults of issue 44 (README.md, "The broker's faults"), each a -D macro:
  *   SUFFIX_LOSS              the loss may also be of a suffix (the broker goes back in time)
  *   WINDOW=w                 producers detect a loss (epoch, mark) and publish again their
@@ -59,6 +60,9 @@
 #endif
 #ifdef SWEEP_QUEUE_ONLY
 #define PURGE
+#endif
+#if defined(RECORD_LOSS) && !defined(SETTLE_ANY_MISSING)
+#define COUNTED_IDS     /* settle.lua's rule: the counted requests behind the count */
 #endif
 
 #ifndef NREQ
@@ -182,8 +186,10 @@ bit back[NSL];          /* republished while a worker held a delivery from befor
 byte cnt[NSS];          /* publish.lua's pending counts: entries written and not settled */
 byte idx[NSS];          /* the pending index: the latest deadline published (0: none) */
 bit rlost;              /* the one entry lost without its message happened */
-#ifdef EXACT_SETTLE
-bit elost[NSL];         /* its entry was lost (the settled ids a fix would keep) */
+#ifdef COUNTED_IDS
+bit elost[NSL];         /* counted, its entry lost: its field in pending-counted, whose removal
+                         * (its own settle, once) spends the count; it goes with the broker's
+                         * data, the undoing of its publish and the count's expiry */
 #endif
 #endif
 #ifdef PURGE
@@ -422,8 +428,14 @@ inline push_mark(p, i) {
 /* publish.lua's records for request i: its entry (a new one counted), a save's value */
 inline push_records(i) {
   hq = KSE(i);
-#ifdef RECORD_LOSS
+#ifdef COUNTED_IDS
+  /* counted once: one counted already, its entry lost, is not counted again */
+  if :: !e_on[hq] && !elost[i] -> cnt[r_s[i]]++ :: else fi;
+  elost[i] = 0;
+#elif defined(RECORD_LOSS)
   if :: !e_on[hq] -> cnt[r_s[i]]++ :: else fi;
+#endif
+#ifdef RECORD_LOSS
   if :: r_dl[i] > idx[r_s[i]] -> idx[r_s[i]] = r_dl[i] :: else fi;
 #endif
   e_on[hq] = 1; e_slot[hq] = i;
@@ -800,15 +812,16 @@ inline settle(i) {
 #else
   hq = KSE(i);
 #ifdef RECORD_LOSS
-  /* a removed entry counts one less; so does a missing one the count still expects (it
-   * cannot tell a redelivered duplicate of a settled request: README, finding 6) */
+  /* a removed entry counts one less */
   if
   :: e_on[hq] -> if :: cnt[hs] > 0 -> cnt[hs]-- :: else fi
   :: else ->
-#ifdef EXACT_SETTLE
-     /* the fix: a settle counts a missing entry only if it is its own, once */
+#ifdef COUNTED_IDS
+     /* a missing one only if it is its own and still counted, once */
      if :: elost[i] && cnt[hs] > 0 -> elost[i] = 0; cnt[hs]-- :: else fi
 #else
+     /* the rule before the counted requests: a missing one whenever the count expects one
+      * (a redelivered duplicate spends another's: README, finding 6) */
      hn = 0;
      for (hw : 1 .. NREQ) { if :: e_on[hw] && r_s[e_slot[hw]] == hs -> hn++ :: else fi };
      if :: cnt[hs] > hn -> cnt[hs]-- :: else fi;
@@ -948,6 +961,10 @@ inline lose_last() {
 #endif
        :: else
        fi;
+#ifdef COUNTED_IDS
+       /* its publish undone: its count and its counted request with it */
+       if :: elost[hq] -> elost[hq] = 0; if :: cnt[r_s[hq]] > 0 -> cnt[r_s[hq]]-- :: else fi :: else fi;
+#endif
        if :: v_on[hq] && v_slot[hq] == hq -> v_on[hq] = 0; v_slot[hq] = 0 :: else fi
     :: else
     fi
@@ -998,6 +1015,9 @@ end_broker:
 #ifdef RECORD_LOSS
        for (hq : 1 .. NS) { cnt[hq] = 0; idx[hq] = 0 }
 #endif
+#ifdef COUNTED_IDS
+       for (hq : 1 .. NREQ) { elost[hq] = 0 }
+#endif
        hq = 0     /* (a d_step must not end in a loop: Spin 6.5 loses the exit label) */
      }
 #ifdef SUFFIX_LOSS
@@ -1029,7 +1049,7 @@ end_broker:
        fi;
        d_step {
          printf("t%d the entry of #%d is lost, its message stays\n", now, e_slot[hq]);
-#ifdef EXACT_SETTLE
+#ifdef COUNTED_IDS
          elost[e_slot[hq]] = 1;
 #endif
          e_on[hq] = 0; e_slot[hq] = 0; hq = 0
@@ -1099,7 +1119,15 @@ end_clock:
          if :: val[hs] != 0 && val_dl[hs] <= now -> val[hs] = 0; val_dl[hs] = 0 :: else fi;
 #ifdef RECORD_LOSS
          /* a stale index entry: publish.lua resets its count (read_pending.lua ignores it) */
-         if :: idx[hs] != 0 && idx[hs] <= now -> idx[hs] = 0; cnt[hs] = 0 :: else fi;
+         if
+         :: idx[hs] != 0 && idx[hs] <= now -> idx[hs] = 0; cnt[hs] = 0;
+#ifdef COUNTED_IDS
+            /* the counted requests expire with the index (the same latest deadline) */
+            for (hq : 1 .. NREQ) { if :: r_s[hq] == hs -> elost[hq] = 0 :: else fi };
+#endif
+            skip
+         :: else
+         fi;
 #endif
          if :: f_key[hs] != 0 && f_exp[hs] <= now -> f_key[hs] = 0; f_lap[hs] = 0; f_exp[hs] = 0 :: else fi
        }

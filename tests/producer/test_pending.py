@@ -13,7 +13,7 @@ from checkpointq.store import ConversationMessage, RedisStore
 from checkpointq.store.base import StoreOptions
 from checkpointq.store.errors import CheckpointTooLarge, StoreUnavailable
 from checkpointq.store.keys import KeySpace
-from checkpointq.tasks.errors import BrokerUnavailable, SeqRefused
+from checkpointq.tasks.errors import BrokerUnavailable, PendingRecordMissing, SeqRefused
 from checkpointq.tasks.producer.batching import BatchingClient
 from checkpointq.tasks.producer.client import CheckpointClient
 from checkpointq.tasks.producer.pending import (
@@ -423,3 +423,103 @@ def test_a_pending_save_is_judged_by_the_store_reads_time() -> None:
     # in between), it answers as lapsed: absent, never its value (the model's finding 1)
     late = _answering(fields, None, ttl_ms, seq // 1000 + ttl_ms)
     assert late is not None and late.lapsed and late.as_fence().lapsed
+
+
+def _count(redis_client: redis.Redis, session_id: str) -> int:
+    return int(redis_client.hget(KEYS.pending_counts(), session_id) or 0)
+
+
+def _settle(redis_client: redis.Redis, *settled: Settlement) -> None:
+    keys, args = settle_command(KEYS, settled)
+    redis_client.register_script(settle_source())(keys=keys, args=args)
+
+
+def test_a_duplicate_settle_spends_no_other_requests_count(
+    one_redis: tuple[CheckpointClient, CheckpointClient], redis_client: redis.Redis
+) -> None:
+    # Given two pending saves of a session, the second's entry deleted by hand
+    a, _ = one_redis
+    first = a.save(make_checkpoint("s", version=1))
+    second = a.save(make_checkpoint("s", version=2))
+    redis_client.hdel(KEYS.pending_requests("s"), second.task_id)
+    assert _count(redis_client, "s") == 2
+    # When the first settles, and then again (a redelivered duplicate)
+    _settle(redis_client, Settlement("s", first.task_id, first.seq))
+    _settle(redis_client, Settlement("s", first.task_id, first.seq))
+    # Then the second is still counted: loads refuse while it is queued
+    assert _count(redis_client, "s") == 1
+    with pytest.raises(PendingRecordMissing):
+        a.load("s")
+    # And its own settle spends it, once: loads answer again
+    _settle(redis_client, Settlement("s", second.task_id, second.seq))
+    _settle(redis_client, Settlement("s", second.task_id, second.seq))
+    assert not redis_client.hexists(KEYS.pending_counts(), "s")
+    assert not redis_client.exists(KEYS.pending_counted("s"))
+    assert a.load("s") is None  # (nothing applied the saves here)
+
+
+def test_a_settle_of_a_request_the_count_does_not_include_spends_nothing(
+    one_redis: tuple[CheckpointClient, CheckpointClient], redis_client: redis.Redis
+) -> None:
+    # Given a pending save whose entry was deleted by hand
+    a, _ = one_redis
+    handle = a.save(make_checkpoint("s", version=1))
+    redis_client.delete(KEYS.pending_requests("s"))
+    # When a request of the session whose records are gone settles (published before the
+    # broker lost its data, or expired), or one under the save's id with another stamp
+    assert handle.seq is not None
+    _settle(redis_client, Settlement("s", "gone", handle.seq - 1))
+    _settle(redis_client, Settlement("s", handle.task_id, handle.seq, True))
+    # Then the save is still counted, its value kept: loads refuse
+    assert _count(redis_client, "s") == 1
+    assert redis_client.exists(KEYS.pending_value("s", handle.task_id))
+    with pytest.raises(PendingRecordMissing):
+        a.load("s")
+
+
+def test_a_request_published_again_after_its_entry_was_lost_is_counted_once(
+    one_redis: tuple[CheckpointClient, CheckpointClient], redis_client: redis.Redis
+) -> None:
+    # Given a pending delete whose entry was deleted by hand
+    a, _ = one_redis
+    records = a.pending_records
+    assert records is not None
+    handle = a.delete("s")
+    assert handle.seq is not None
+    redis_client.delete(KEYS.pending_requests("s"))
+    # When it is published again (same id, same stamp: a retry, a recovery)
+    records.push(QUEUE, b"message", [RecordWrite("s", handle.seq, DELETE_OP, handle.task_id)])
+    # Then it is counted once, and its settle spends it
+    assert _count(redis_client, "s") == 1
+    _settle(redis_client, Settlement("s", handle.task_id, handle.seq, True))
+    assert not redis_client.hexists(KEYS.pending_counts(), "s")
+    # But another request under its id, while it is counted with its entry gone, is refused
+    handle = a.delete("s")
+    assert handle.seq is not None
+    redis_client.delete(KEYS.pending_requests("s"))
+    with pytest.raises(SeqRefused, match="request ids must be unique"):
+        records.push(QUEUE, b"m", [RecordWrite("s", handle.seq + 1, DELETE_OP, handle.task_id)])
+
+
+def test_a_count_from_a_publish_before_the_counted_requests_is_still_spent(
+    one_redis: tuple[CheckpointClient, CheckpointClient], redis_client: redis.Redis
+) -> None:
+    # Given two requests counted by an earlier release's publish (an entry, a count, no
+    # counted field), both entries deleted by hand
+    a, _ = one_redis
+    seq = a.delete("s").seq
+    assert seq is not None
+    redis_client.delete(KEYS.pending_requests("s"), KEYS.pending_counted("s"))
+    redis_client.hset(KEYS.pending_counts(), "s", 2)
+    # When one settles, then again (a duplicate), then the other
+    _settle(redis_client, Settlement("s", "old-1", seq, True))
+    assert _count(redis_client, "s") == 1
+    with pytest.raises(PendingRecordMissing):
+        a.load("s")
+    # Then the rule before the counted requests spends what is left of the old count: a
+    # duplicate may spend it early, as it did before (docs/reliability.md)
+    _settle(redis_client, Settlement("s", "old-1", seq, True))
+    assert not redis_client.hexists(KEYS.pending_counts(), "s")
+    # And no more than it holds
+    _settle(redis_client, Settlement("s", "old-2", seq, True))
+    assert not redis_client.hexists(KEYS.pending_counts(), "s")

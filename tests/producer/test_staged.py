@@ -121,6 +121,7 @@ def test_publish_refuses_a_staged_message_whose_value_is_missing(
     keys.append(KEYS.pending_counts())
     keys.append(KEYS.pending_requests("s"))
     keys.append(KEYS.pending_value("s", "req"))
+    keys.append(KEYS.pending_counted("s"))
     now_us = wall_clock_us()
     args: list[bytes | str | int] = [b"message", 60_000, "token", now_us, 300_000_000, "", 0, ""]
     args += ["s", now_us, "staged", "req", b""]

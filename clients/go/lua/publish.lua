@@ -16,14 +16,17 @@
 --              and a ring of the recent marks' tokens: field 't<mark mod 65536>' holds
 --              '<mark>:<token>' (the token: ARGV[3]'s first 16 characters), so that a mark
 --              the broker lost and gave again to another publish shows another token
--- KEYS[5]      the pending counts (a hash): session id -> how many entries its publishes
---              wrote and settles did not remove, so that a load can tell an entry missing
+-- KEYS[5]      the pending counts (a hash): session id -> how many requests its publishes
+--              counted and settles did not spend, so that a load can tell an entry missing
 --              (deleted by hand, evicted) from one settled
--- KEYS[6..]    two per request in the message, in ARGV order: its session's entries
+-- KEYS[6..]    three per request in the message, in ARGV order: its session's entries
 --              (<prefix>.cq:pending-requests:<id>, a hash: request id -> "<seq> <op>"),
---              then its value key (<prefix>.cq:pending-value:<n>:<id>:<request id>; unused
---              by a delete). A staged save's value is there already (SET by the caller
---              just before this script); a plain save's value is written here.
+--              its value key (<prefix>.cq:pending-value:<n>:<id>:<request id>; unused
+--              by a delete), and its session's counted requests
+--              (<prefix>.cq:pending-counted:<id>, the same fields as the entries: the
+--              requests the count includes, so that a settle spends only its own, once).
+--              A staged save's value is there already (SET by the caller just before this
+--              script); a plain save's value is written here.
 -- ARGV[1]      the message, as LPUSH stores it
 -- ARGV[2]      the session TTL, ms
 -- ARGV[3]      a fresh random token, the epoch if the broker has none yet
@@ -69,13 +72,15 @@ for i = 1, records do
   elseif math.floor(seq / 1000) + ttl <= now_ms then
     return redis.error_reply('CQREFUSED seq: ' .. ARGV[a + 1] .. ' is past its deadline'
       .. " already (more than the session TTL behind the broker's clock)")
-  elseif ARGV[a + 2] == 'staged' and redis.call('EXISTS', KEYS[5 + 2 * i]) == 0 then
-    return redis.error_reply('ERR staged value ' .. KEYS[5 + 2 * i] .. ' is missing')
+  elseif ARGV[a + 2] == 'staged' and redis.call('EXISTS', KEYS[4 + 3 * i]) == 0 then
+    return redis.error_reply('ERR staged value ' .. KEYS[4 + 3 * i] .. ' is missing')
   end
-  -- A request id is its request's, in its session: one already pending with another seq or
-  -- op is another request's (a faulty producer reusing it), which would replace its entry
-  -- and value. The same again is a retried publish that landed: harmless.
-  local held = redis.call('HGET', KEYS[4 + 2 * i], ARGV[a + 3])
+  -- A request id is its request's, in its session: one already pending (or counted, its
+  -- entry gone) with another seq or op is another request's (a faulty producer reusing
+  -- it), which would replace its entry and value. The same again is a retried publish that
+  -- landed: harmless.
+  local held = redis.call('HGET', KEYS[3 + 3 * i], ARGV[a + 3])
+    or redis.call('HGET', KEYS[5 + 3 * i], ARGV[a + 3])
   local op = ARGV[a + 2] == 'staged' and 'save' or ARGV[a + 2]
   if held and held ~= ARGV[a + 1] .. ' ' .. op then
     return redis.error_reply('CQREFUSED request: id ' .. ARGV[a + 3] .. ' is pending for'
@@ -110,7 +115,7 @@ elseif epoch == ARGV[6] and (mark <= seen or forked) then
 end
 for i = 1, records do
   local a = 9 + (i - 1) * 5
-  local entries, value_key = KEYS[4 + 2 * i], KEYS[5 + 2 * i]
+  local entries, value_key, counted = KEYS[3 + 3 * i], KEYS[4 + 3 * i], KEYS[5 + 3 * i]
   local op, deadline = ARGV[a + 2], math.floor(tonumber(ARGV[a + 1]) / 1000) + ttl
   if op == 'staged' then
     -- The message needs its value for as long as it may be applied.
@@ -122,12 +127,20 @@ for i = 1, records do
   local due = tonumber(redis.call('ZSCORE', KEYS[2], ARGV[a]))
   if (not due or due <= now_ms) and redis.call('EXISTS', entries) == 0 then
     redis.call('HDEL', KEYS[5], ARGV[a]) -- a count left by entries that expired
+    redis.call('DEL', counted)
   end
-  if redis.call('HSET', entries, ARGV[a + 3], ARGV[a + 1] .. ' ' .. op) == 1 then
+  -- Counted once: a request counted already (its entry lost, now published again) is not
+  -- counted twice.
+  local stamp = ARGV[a + 1] .. ' ' .. op
+  if redis.call('HSET', entries, ARGV[a + 3], stamp) == 1
+      and redis.call('HSET', counted, ARGV[a + 3], stamp) == 1 then
     redis.call('HINCRBY', KEYS[5], ARGV[a], 1)
   end
   if redis.call('PEXPIRETIME', entries) < deadline then
     redis.call('PEXPIREAT', entries, deadline)
+  end
+  if redis.call('PEXPIRETIME', counted) < deadline then
+    redis.call('PEXPIREAT', counted, deadline)
   end
   redis.call('ZADD', KEYS[2], 'GT', deadline, ARGV[a])
 end
