@@ -37,6 +37,7 @@ from checkpointq.worker import (
     reserve,
 )
 from checkpointq.worker import signals as _signals  # noqa: F401  # importing it connects the hooks
+from checkpointq.worker.hooks import celery as celery_hooks
 from checkpointq.worker.hooks import kombu as kombu_hooks
 from checkpointq.worker.ops import eviction, health, metrics
 from checkpointq.worker.settings import Settings
@@ -245,6 +246,9 @@ def create_app(settings: Settings | None = None) -> Celery:
     lost_settles.install(app)
     # kombu before 5.7 ignores the restore schedule tasks/brokers.py sets: sweep ourselves.
     kombu_hooks.install_restore_sweep(app)
+    # A warm shutdown reads the pool's results until its processes exit, not only while the
+    # pool knows of a job: else one can block writing a result, and the worker with it.
+    celery_hooks.drain_pool_at_shutdown()
     logs.install(settings.log_format)
     logger.debug("celery app for broker %s", redact_url(settings.broker_url or ""))
     return app
