@@ -354,6 +354,14 @@ def _keep_raw_body_to_ourselves(request: Any) -> None:
         request.headers = headers or None
 
 
+class _BackToQueue(Exception):
+    """``CheckpointTask._requeue``'s decision, on its way up to ``CheckpointTask.__call__``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
     """Base of the checkpoint tasks: argument checks, retries and dead letters."""
 
@@ -366,6 +374,16 @@ class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
 
     def __call__(self, *args: Any, **kwargs: Any) -> Outcome:
         _keep_raw_body_to_ourselves(self.request)
+        try:
+            return self._apply(args, kwargs)
+        except _BackToQueue as back:
+            # Raised here, chained to nothing: Celery's tracer pickles the Reject's frames
+            # (from its own down, each with its code's positions) and the text of every
+            # error chained to it into the result a pool process pipes to the main process,
+            # which reads only ``requeue`` (``_requeue`` logged the reason and request id).
+            raise Reject(back.reason, requeue=True) from None
+
+    def _apply(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Outcome:
         try:
             return self._attempt(args, kwargs)
         except StoreUnavailable as exc:
@@ -451,13 +469,14 @@ class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
             return _dead_letter(self, kind, reason, args, kwargs)
 
     def _requeue(self, why: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> NoReturn:
-        """Give the message back to the broker's queue unacknowledged (raises ``Reject``)."""
+        """Give the message back to the broker's queue unacknowledged (raises
+        ``_BackToQueue``, which ``__call__`` turns into Celery's ``Reject``)."""
         logger.warning(
             "%s [%s]: retries spent and %s; back to the queue", self.name, self.request.id, why
         )
         _observe(self, {"outcome": "requeued"}, None, args, kwargs)
         # Celery's worker rejects the message with requeue: kombu puts it back in the queue.
-        raise Reject(why, requeue=True)
+        raise _BackToQueue(why)
 
     def _retry(
         self, exc: StoreUnavailable, args: tuple[Any, ...], kwargs: dict[str, Any]
