@@ -13,7 +13,7 @@ import pytest
 from billiard.einfo import ExceptionInfo
 from celery import Celery, Task
 from celery.app.trace import build_tracer
-from celery.exceptions import Reject
+from celery.exceptions import Reject, Retry
 from redis.exceptions import OutOfMemoryError
 
 from checkpointq.store.base import Fence, SaveResult
@@ -246,6 +246,29 @@ def test_a_requeued_save_pipes_a_small_result_without_its_checkpoint(
     assert len(piped) <= len(celerys_own_reject(app)) + 6 * 1024, len(piped)
     assert secret.encode() not in piped
     assert secret not in caplog.text and "request-1" in caplog.text
+
+
+def test_a_retried_save_pipes_a_small_result_that_keeps_its_cause(
+    app: Celery, redis: fakeredis.FakeRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a save whose every message holds a marker, a store that is down, and a broker
+    # that takes the retry
+    app.conf.broker_url = "memory://"
+    install(DownStore(), redis, retries=2)
+    secret = "MARKER-of-a-conversation"
+    wire = checkpoint_to_wire(secret_checkpoint("down", secret))
+    # When the pool process runs it and schedules the next attempt
+    result = pool_result(app, app.tasks[messages.SAVE], [wire], retries=0)
+    piped = pickle.dumps(result)
+    # Then the main process gets Celery's Retry for the store's error, whose text (with the
+    # error it retries, for Celery's task-retried event) is all it carries beyond Celery's
+    # own least, and neither it nor the log holds the marker
+    retry = result.exception.exc
+    assert isinstance(retry, Retry) and isinstance(retry.exc, StoreUnavailable)
+    assert "Redis unavailable (ConnectionError)" in result.traceback
+    assert len(piped) <= len(celerys_own_reject(app)) + 2 * len(result.traceback) + 3 * 1024
+    assert secret.encode() not in piped
+    assert secret not in caplog.text and "retry 1/2" in caplog.text
 
 
 class DownStream(fakeredis.FakeRedis):
