@@ -29,7 +29,7 @@ from collections import Counter
 from typing import Any, NoReturn
 
 from celery import Celery, Task
-from celery.exceptions import Reject
+from celery.exceptions import Reject, Retry
 from redis.exceptions import RedisError
 
 from checkpointq.store.base import SaveResult
@@ -354,6 +354,23 @@ def _keep_raw_body_to_ourselves(request: Any) -> None:
         request.headers = headers or None
 
 
+class _BackToQueue(Exception):
+    """``CheckpointTask._requeue``'s decision, on its way up to ``CheckpointTask.__call__``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _RetryPublished(Exception):
+    """``CheckpointTask._retry`` published the next attempt: Celery's ``Retry`` for it, and
+    the error it retries, on their way up to ``CheckpointTask.__call__``."""
+
+    def __init__(self, retry: Retry, cause: StoreUnavailable) -> None:
+        super().__init__(str(cause))
+        self.retry, self.cause = retry, cause
+
+
 class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
     """Base of the checkpoint tasks: argument checks, retries and dead letters."""
 
@@ -366,6 +383,21 @@ class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
 
     def __call__(self, *args: Any, **kwargs: Any) -> Outcome:
         _keep_raw_body_to_ourselves(self.request)
+        # Celery's Reject and Retry are raised here, from the fewest frames: Celery's tracer
+        # pickles the frames of what a task raises (from its own down, each with its code's
+        # positions) and the text of the errors chained to it into the result a pool process
+        # pipes to the main process. That reads only a Reject's ``requeue`` (``_requeue``
+        # logged its reason and request id): it is chained to nothing. A Retry keeps the error
+        # it retries as its cause, whose text Celery's task-retried event carries.
+        try:
+            return self._apply(args, kwargs)
+        except _RetryPublished as published:
+            retry, cause = published.retry, published.cause
+        except _BackToQueue as back:
+            raise Reject(back.reason, requeue=True) from None
+        raise retry from cause
+
+    def _apply(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Outcome:
         try:
             return self._attempt(args, kwargs)
         except StoreUnavailable as exc:
@@ -451,18 +483,20 @@ class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
             return _dead_letter(self, kind, reason, args, kwargs)
 
     def _requeue(self, why: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> NoReturn:
-        """Give the message back to the broker's queue unacknowledged (raises ``Reject``)."""
+        """Give the message back to the broker's queue unacknowledged (raises
+        ``_BackToQueue``, which ``__call__`` turns into Celery's ``Reject``)."""
         logger.warning(
             "%s [%s]: retries spent and %s; back to the queue", self.name, self.request.id, why
         )
         _observe(self, {"outcome": "requeued"}, None, args, kwargs)
         # Celery's worker rejects the message with requeue: kombu puts it back in the queue.
-        raise Reject(why, requeue=True)
+        raise _BackToQueue(why)
 
     def _retry(
         self, exc: StoreUnavailable, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Outcome:
-        """Schedule the next attempt with backoff (raises Celery's ``Retry``)."""
+        """Schedule the next attempt with backoff (raises ``_RetryPublished``, which
+        ``__call__`` turns into Celery's ``Retry``)."""
         policy = runtime.current().retry
         retries = self.request.retries or 0
         countdown = policy.countdown(retries)
@@ -481,9 +515,9 @@ class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
             countdown,
         )
         _observe(self, {"outcome": "retried"}, None, args, kwargs)
-        # Publishes a copy with an ETA and acknowledges this one; raises celery's Retry.
+        # Publishes a copy with an ETA; once Celery's Retry is raised, this one is acknowledged.
         try:
-            raise self.retry(exc=exc, countdown=countdown, max_retries=None)
+            retry = self.retry(exc=exc, countdown=countdown, max_retries=None, throw=False)
         except Reject as unpublished:
             # Celery rejects the message *without* requeue when the retry cannot be
             # published (a broker out of memory or read-only): that would drop it. Give it
@@ -492,6 +526,7 @@ class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
             if unpublished.requeue:
                 raise
             self._requeue(f"its retry could not be published: {unpublished.reason}", args, kwargs)
+        raise _RetryPublished(retry, exc)
 
 
 def register(app: Celery) -> None:

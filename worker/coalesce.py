@@ -208,7 +208,11 @@ class Coalescer:
             self._settle(group, done, flushes)
 
         def on_error(exc: Any) -> None:
-            logger.warning("a group of %d requests failed (%s): each runs alone", len(group), exc)
+            logger.warning(
+                "a group of %d requests failed (%s): each runs alone",
+                len(group),
+                _error_of(exc),
+            )
             # The store said it refuses writes (a full disk, no connection slot): take no
             # more messages for now, as when the worker's own probe is refused.
             if refusal := _refusal_of(exc):
@@ -319,11 +323,16 @@ class Coalescer:
             logger.warning("could not settle %d pending records: %s", len(keys) - 1, reply)
 
 
-def _refusal_of(error: Any) -> str | None:
-    """``StoreUnavailable.refusal`` of a pool job's error, as billiard hands it over (an
-    ``ExceptionInfo`` whose ``exception`` wraps the job's exception as ``exc``)."""
+def _error_of(error: Any) -> Any:
+    """A pool job's own exception, as billiard hands it over (an ``ExceptionInfo`` whose
+    ``exception`` wraps it as ``exc``; the ``ExceptionInfo``'s text is its whole traceback)."""
     inner = getattr(error, "exception", error)
-    refusal = getattr(getattr(inner, "exc", inner), "refusal", None)
+    return getattr(inner, "exc", inner)
+
+
+def _refusal_of(error: Any) -> str | None:
+    """``StoreUnavailable.refusal`` of a pool job's error (``_error_of``)."""
+    refusal = getattr(_error_of(error), "refusal", None)
     return str(refusal) if refusal else None
 
 

@@ -16,7 +16,9 @@ from typing import Any
 
 import pytest
 import redis
+from billiard.einfo import ExceptionInfo
 
+from checkpointq.store.errors import StoreUnavailable
 from checkpointq.tasks.messages import SAVE
 from checkpointq.tasks.producer.client import CheckpointClient
 from checkpointq.worker.coalesce import Coalescer, _Pending
@@ -52,8 +54,16 @@ class Pool:
     num_processes: int
     jobs: list[tuple[list[Any], Callable[[list[Any]], None]]] = field(default_factory=list)
 
+    failures: dict[int, Callable[[Any], None]] = field(default_factory=dict)
+
     def apply_async(self, fn: Any, args: Any, callback: Any, error_callback: Any) -> None:
+        self.failures[id(callback)] = error_callback
         self.jobs.append((args[0], callback))
+
+    def fail(self, error: Any, index: int = 0) -> None:
+        """The job raised: billiard hands its ``ExceptionInfo`` to the error callback."""
+        _, callback = self.jobs.pop(index)
+        self.failures.pop(id(callback))(error)
 
     def answer(self, index: int = 0) -> None:
         """The job applied every request of its group (each settled as (session, request))."""
@@ -266,6 +276,37 @@ def test_a_group_the_pool_dropped_at_a_reconnect_holds_no_process_after_it() -> 
 
 
 @pytest.mark.integration
+def test_a_failed_group_is_logged_in_one_line_and_its_requests_run_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Given a group of two in the pool
+    rig = _rig()
+    alone: list[str] = []
+    for task_id in ("a", "b"):
+        message = SimpleNamespace(
+            body=b"[]", channel=None, delivery_tag=task_id, headers={}, delivery_info={}
+        )
+
+        def fallback(message: Any, *args: Any) -> None:
+            alone.append(message.delivery_tag)
+
+        rig.coalescer.add(_Pending(message, _TASK, SAVE, task_id, None, None, None, fallback))
+    rig.loop.end_turn()
+    # When its job raises, and billiard hands over the error with its traceback
+    try:
+        raise StoreUnavailable("apply a batch of 2: Redis error (ConnectionError: refused)")
+    except StoreUnavailable:
+        error = ExceptionInfo()
+    rig.pool.fail(error)
+    # Then each request runs alone, and the warning names the error in one line
+    assert alone == ["a", "b"]
+    (warning,) = [r.getMessage() for r in caplog.records if "a group of" in r.getMessage()]
+    assert warning == (
+        "a group of 2 requests failed (apply a batch of 2: Redis error (ConnectionError: "
+        "refused)): each runs alone"
+    )
+
+
 def test_a_lone_save_on_an_idle_worker_becomes_durable_and_acknowledged(live: Deployment) -> None:
     # Given an idle coalescing worker (the default: groups of up to 32)
     assert live.settings.coalescing

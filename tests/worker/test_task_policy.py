@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import random
 import time
 from collections.abc import Iterator
@@ -9,8 +10,10 @@ from typing import Any, NoReturn
 
 import fakeredis
 import pytest
-from celery import Celery
-from celery.exceptions import Reject
+from billiard.einfo import ExceptionInfo
+from celery import Celery, Task
+from celery.app.trace import build_tracer
+from celery.exceptions import Reject, Retry
 from redis.exceptions import OutOfMemoryError
 
 from checkpointq.store.base import Fence, SaveResult
@@ -27,7 +30,7 @@ from checkpointq.tasks.runtime import Runtime
 from checkpointq.tasks.sweep import sweep
 from checkpointq.worker.app import celery_config
 from checkpointq.worker.settings import Settings
-from tests.support.checkpoints import make_checkpoint
+from tests.support.checkpoints import make_checkpoint, secret_checkpoint
 
 
 class DownStore(InMemoryStore):
@@ -181,6 +184,91 @@ def test_a_retry_the_broker_refuses_to_publish_goes_back_to_the_queue(
     # Then the message is given back (rejected with requeue), never dropped
     assert isinstance(result.result, Reject) and result.result.requeue
     assert "its retry could not be published" in caplog.text
+
+
+def pool_result(app: Celery, task: Task, args: list[Any], retries: int) -> ExceptionInfo:
+    """What a pool process hands the main process for ``task`` run as the pool runs it
+    (Celery's tracer, not eager): for a rejected task, an ``ExceptionInfo``."""
+    tracer = build_tracer(task.name, task, eager=False, propagate=False, app=app)
+    request = {"id": "request-1", "retries": retries, "delivery_info": {}, "headers": {}}
+    result = tracer("request-1", args, {"seq": 1}, request).retval
+    assert isinstance(result, ExceptionInfo)
+    return result
+
+
+def rejects(seq: int) -> NoReturn:
+    """A task body that only gives its message back."""
+    raise Reject("r", requeue=True)
+
+
+def celerys_own_reject(app: Celery) -> bytes:
+    """The least a requeue can pipe: the pickled result of a task body that only raises
+    ``Reject`` (Celery's tracer frame holds most of it)."""
+    task = app.task(name="unit.rejects")(rejects)
+    return pickle.dumps(pool_result(app, task, [], retries=0))
+
+
+@pytest.mark.parametrize("path", ["store_refuses_writes", "retry_not_published"])
+def test_a_requeued_save_pipes_a_small_result_without_its_checkpoint(
+    app: Celery,
+    redis: fakeredis.FakeRedis,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    path: str,
+) -> None:
+    # Given a save whose every message holds a marker, and a store that refuses it: with
+    # its retries spent while the store refuses writes, or its retry refused by the broker
+    secret = "MARKER-of-a-conversation"
+    wire = checkpoint_to_wire(secret_checkpoint("oom", secret))
+    task = app.tasks[messages.SAVE]
+    if path == "store_refuses_writes":
+        install(RefusingStore(), redis, retries=2)
+        retries = 2
+    else:
+        install(DownStore(), redis, retries=2)
+        retries = 0
+
+        def unpublished(*args: Any, **kwargs: Any) -> NoReturn:
+            raise Reject(OutOfMemoryError("command not allowed"), requeue=False)
+
+        monkeypatch.setattr(task, "retry", unpublished)
+    # When the pool process runs it and the message goes back to the queue
+    result = pool_result(app, task, [wire], retries)
+    piped = pickle.dumps(result)
+    # Then the main process gets Reject(requeue=True) with its reason ...
+    rejected = result.exception.exc
+    assert isinstance(rejected, Reject) and rejected.requeue
+    assert "could not be published" in rejected.reason or "refuses writes" in rejected.reason
+    # ... in a result hardly larger than Celery's own least (no errors chained to it, no
+    # frames of ours below the task's call), and neither it nor the log holds the marker
+    assert "During handling" not in result.traceback
+    assert "direct cause" not in result.traceback
+    assert len(piped) <= len(celerys_own_reject(app)) + 6 * 1024, len(piped)
+    assert secret.encode() not in piped
+    assert secret not in caplog.text and "request-1" in caplog.text
+
+
+def test_a_retried_save_pipes_a_small_result_that_keeps_its_cause(
+    app: Celery, redis: fakeredis.FakeRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a save whose every message holds a marker, a store that is down, and a broker
+    # that takes the retry
+    app.conf.broker_url = "memory://"
+    install(DownStore(), redis, retries=2)
+    secret = "MARKER-of-a-conversation"
+    wire = checkpoint_to_wire(secret_checkpoint("down", secret))
+    # When the pool process runs it and schedules the next attempt
+    result = pool_result(app, app.tasks[messages.SAVE], [wire], retries=0)
+    piped = pickle.dumps(result)
+    # Then the main process gets Celery's Retry for the store's error, whose text (with the
+    # error it retries, for Celery's task-retried event) is all it carries beyond Celery's
+    # own least, and neither it nor the log holds the marker
+    retry = result.exception.exc
+    assert isinstance(retry, Retry) and isinstance(retry.exc, StoreUnavailable)
+    assert "Redis unavailable (ConnectionError)" in result.traceback
+    assert len(piped) <= len(celerys_own_reject(app)) + 2 * len(result.traceback) + 3 * 1024
+    assert secret.encode() not in piped
+    assert secret not in caplog.text and "retry 1/2" in caplog.text
 
 
 class DownStream(fakeredis.FakeRedis):
