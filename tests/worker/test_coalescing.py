@@ -19,6 +19,7 @@ import redis
 
 from checkpointq.tasks.messages import SAVE
 from checkpointq.tasks.producer.client import CheckpointClient
+from checkpointq.tasks.producer.pending import Settlement
 from checkpointq.worker.coalesce import Coalescer, _Pending
 from checkpointq.worker.group_events import GroupEvents
 from checkpointq.worker.settings import Settings
@@ -56,9 +57,9 @@ class Pool:
         self.jobs.append((args[0], callback))
 
     def answer(self, index: int = 0) -> None:
-        """The job applied every request of its group (each settled as (session, request))."""
+        """The job applied every request of its group (each settled as request of session)."""
         requests, callback = self.jobs.pop(index)
-        callback([("session", "request")] * len(requests))
+        callback([Settlement("session", "request", 1)] * len(requests))
 
     def sizes(self) -> list[int]:
         return [len(requests) for requests, _ in self.jobs]
