@@ -114,6 +114,14 @@ def _aof(broker: RedisServer) -> Path:
     return broker.workdir / "appendonlydir"
 
 
+def _come_back_from(deployment: Deployment, snapshot: Path) -> None:
+    """The broker killed (-9) and started again from ``snapshot``, an older AOF."""
+    deployment.broker.stop(kill=True)
+    shutil.rmtree(_aof(deployment.broker))
+    shutil.copytree(snapshot, _aof(deployment.broker))
+    deployment.broker.start()
+
+
 def test_a_broker_gone_back_in_time_is_detected_and_what_producers_hold_comes_back(
     deployment: Deployment,
 ) -> None:
@@ -135,10 +143,7 @@ def test_a_broker_gone_back_in_time_is_detected_and_what_producers_hold_comes_ba
                 _turn(client, session_id, 2)
             client.delete(f"doomed-{r}")
         # When the broker comes back with what it held before them (kill -9, old AOF)
-        deployment.broker.stop(kill=True)
-        shutil.rmtree(_aof(deployment.broker))
-        shutil.copytree(snapshot, _aof(deployment.broker))
-        deployment.broker.start()
+        _come_back_from(deployment, snapshot)
         # Then each replica's next load finds it, counts it once, republishes what it
         # published lately, and serves turn 2 (and no doomed session)
         for r, client in enumerate(replicas):
@@ -198,10 +203,7 @@ def test_a_loss_that_unaware_publishes_cover_up_is_detected_by_the_marks_token(
         pending_mark = deployment.keys.pending_mark()
         seen = deployment.broker_client().hget(pending_mark, "n")  # A's last publish's
         # When the broker comes back without them (kill -9, old AOF)
-        deployment.broker.stop(kill=True)
-        shutil.rmtree(_aof(deployment.broker))
-        shutil.copytree(snapshot, _aof(deployment.broker))
-        deployment.broker.start()
+        _come_back_from(deployment, snapshot)
         # And B, which saw none of the lost marks, publishes twice: the mark is A's again
         _turn(b, "b-session", 2)
         _turn(b, "b-session", 3)
@@ -337,10 +339,7 @@ def test_an_older_deliverys_settle_leaves_a_republished_request_to_its_own_messa
         held_tag = json.loads(held)["properties"]["delivery_tag"]
         # And the broker come back without it (its value went too), and the producer's next
         # load finding the loss and publishing turn 2 again
-        deployment.broker.stop(kill=True)
-        shutil.rmtree(_aof(deployment.broker))
-        shutil.copytree(snapshot, _aof(deployment.broker))
-        deployment.broker.start()
+        _come_back_from(deployment, snapshot)
         assert _turns(client.load(session_id)) == ["t1", "t2"]
         assert client.epoch_changes == 1
         queued = [json.loads(m) for m in broker.lrange(QUEUE, 0, -1)]  # turns 1 and 2
