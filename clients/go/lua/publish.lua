@@ -119,7 +119,10 @@ elseif epoch == ARGV[6] and (mark <= seen or forked) then
     mark <= seen and mark - 1 or -1)
 end
 -- The message's delivery tag ('' none): the last bytes of our envelope, found in O(1).
-local tag = string.match(string.sub(ARGV[1], -96), '"delivery_tag":"([^"%s]+)"}}$') or ''
+local tag, at = '', string.find(ARGV[1], '"delivery_tag":"', -96, true)
+if at and string.sub(ARGV[1], -3) == '"}}' then
+  tag = string.sub(ARGV[1], at + 16, -4)
+end
 for i = 1, records do
   local a = 9 + (i - 1) * 5
   local entries, value_key, counted = KEYS[3 + 3 * i], KEYS[4 + 3 * i], KEYS[5 + 3 * i]
