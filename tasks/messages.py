@@ -217,3 +217,9 @@ def delivery_tag(request: Any) -> str:
         (getattr(request, "properties", None) or {}).get("delivery_tag")
     )
     return tag if isinstance(tag, str) else ""
+
+
+def message_tag(message: Any) -> str:
+    """``delivery_tag`` for a kombu message the main process holds (the coalesced path)."""
+    inherited = (getattr(message, "headers", None) or {}).get(TAG_HEADER)
+    return inherited if isinstance(inherited, str) and inherited else str(message.delivery_tag)

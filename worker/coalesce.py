@@ -232,7 +232,7 @@ class Coalescer:
         self._consider(at_once=True)
         applied = [(p, ok) for p, ok in zip(group, done, strict=False) if ok is not None]
         # Each settles as the publish its message is (its delivery tag: settle.lua).
-        settled = [ok._replace(tag=str(p.message.delivery_tag)) for p, ok in applied if ok[1]]
+        settled = [ok._replace(tag=messages.message_tag(p.message)) for p, ok in applied if ok[1]]
         self._ack_together([p for p, _ in applied], settled)
         for pending, ok in zip(group, done, strict=False):
             if ok is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any, NoReturn
 
 import fakeredis
@@ -268,3 +269,7 @@ def test_a_retry_settles_as_the_publish_it_descends_from() -> None:
     # unknown (its stamp alone then judges)
     assert messages.delivery_tag(delivered) == messages.delivery_tag(retried) == "first"
     assert messages.delivery_tag(Context()) == ""
+    # And so do the messages the coalesced path settles in the main process
+    copy = SimpleNamespace(headers={messages.TAG_HEADER: "first"}, delivery_tag="copy")
+    assert messages.message_tag(copy) == "first"
+    assert messages.message_tag(SimpleNamespace(headers={}, delivery_tag="first")) == "first"
