@@ -32,6 +32,7 @@ from checkpointq.tasks.messages import (
     DELETE,
     MAX_ITEMS,
     SAVE,
+    delivery_tag,
     requested_seq,
     requested_session,
     save_outcome,
@@ -141,7 +142,11 @@ def _notify(task_id: str | None, label: str, outcome: Outcome, seq: object) -> N
 
 
 def _settle_items(
-    rt: runtime.Runtime, task_id: str | None, items: list[Any], outcomes: list[Outcome | None]
+    rt: runtime.Runtime,
+    task_id: str | None,
+    items: list[Any],
+    outcomes: list[Outcome | None],
+    tag: str = "",
 ) -> None:
     """Remove the settled items' pending entries, in one call to the broker."""
     if rt.pending is None or not task_id:
@@ -157,7 +162,7 @@ def _settle_items(
         if isinstance(session_id, str) and session_id:
             request_id = item_request_id(task_id, position)
             seq = requested_seq(args, kwargs)
-            settled.append(Settlement(session_id, request_id, seq, deleted=task == DELETE))
+            settled.append(Settlement(session_id, request_id, seq, deleted=task == DELETE, tag=tag))
     rt.pending.settle(settled)
 
 
@@ -209,7 +214,7 @@ def apply_batch(task: Task, items: object) -> Outcome:
             seq=_seq(item.get("seq") if isinstance(item, dict) else None),
         )
         outcomes[position] = {"outcome": "dead_lettered", "kind": "invalid_input", "entry": entry}
-    _settle_items(rt, task.request.id, items, outcomes)
+    _settle_items(rt, task.request.id, items, outcomes, delivery_tag(task.request))
     counts: dict[str, int] = {}
     for position, outcome in enumerate(outcomes):
         if outcome is None:  # every position got an outcome above; keeps mypy honest

@@ -339,6 +339,7 @@ def _settle_record(
                 deleted=name == messages.DELETE,
                 keep_value=getattr(request, "checkpointq_staged_keep", False),
                 legacy_staged=getattr(request, "checkpointq_staged_legacy", False),
+                tag=messages.delivery_tag(request),
             )
         ]
     )
@@ -517,7 +518,13 @@ class CheckpointTask(Task):  # type: ignore[misc]  # celery ships no type hints
         _observe(self, {"outcome": "retried"}, None, args, kwargs)
         # Publishes a copy with an ETA; once Celery's Retry is raised, this one is acknowledged.
         try:
-            retry = self.retry(exc=exc, countdown=countdown, max_retries=None, throw=False)
+            # The copy settles as the publish it descends from (settle.lua; a new message
+            # gets a new delivery tag): it carries that publish's tag in a header.
+            tag = messages.delivery_tag(self.request)
+            headers = {**(self.request.headers or {}), messages.TAG_HEADER: tag}
+            retry = self.retry(
+                exc=exc, countdown=countdown, max_retries=None, throw=False, headers=headers
+            )
         except Reject as unpublished:
             # Celery rejects the message *without* requeue when the retry cannot be
             # published (a broker out of memory or read-only): that would drop it. Give it

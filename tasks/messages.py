@@ -203,3 +203,23 @@ def save_outcome(result: SaveResult) -> dict[str, Any]:
         "trimmed": result.trimmed,
         "stored_bytes": result.stored_bytes,
     }
+
+
+#: The header of a retry's message that names the delivery tag of the publish it descends
+#: from (Celery's retry publishes a copy, with a new tag).
+TAG_HEADER = "checkpointq_tag"
+
+
+def delivery_tag(request: Any) -> str:
+    """Which publish of its request the message a task runs is ('' unknown): its delivery
+    tag, or for a retry's copy the tag of the publish it descends from (settle.lua)."""
+    tag = getattr(request, TAG_HEADER, None) or (
+        (getattr(request, "properties", None) or {}).get("delivery_tag")
+    )
+    return tag if isinstance(tag, str) else ""
+
+
+def message_tag(message: Any) -> str:
+    """``delivery_tag`` for a kombu message the main process holds (the coalesced path)."""
+    inherited = (getattr(message, "headers", None) or {}).get(TAG_HEADER)
+    return inherited if isinstance(inherited, str) and inherited else str(message.delivery_tag)

@@ -235,7 +235,9 @@ class Coalescer:
         # ``seq``, so a request of this group run again as a task below may follow it.
         self._consider(at_once=True)
         applied = [(p, ok) for p, ok in zip(group, done, strict=False) if ok is not None]
-        self._ack_together([p for p, _ in applied], [ok for _, ok in applied if ok[1]])
+        # Each settles as the publish its message is (its delivery tag: settle.lua).
+        settled = [ok._replace(tag=messages.message_tag(p.message)) for p, ok in applied if ok[1]]
+        self._ack_together([p for p, _ in applied], settled)
         for pending, ok in zip(group, done, strict=False):
             if ok is None:
                 pending.run_as_task(self.consumer)

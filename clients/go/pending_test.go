@@ -395,13 +395,31 @@ func TestThePendingEntriesAreTheDocumentedLayout(t *testing.T) {
 	if n, err := redis.Int(env.broker.Do("EXISTS", c.keys.pendingValue(id, del.TaskID))); n != 0 || err != nil {
 		t.Fatalf("a delete's value key exists: %d, %v", n, err)
 	}
-	// And the session's counted requests hold both, as the entries do, until the same
-	// deadline: each request's settle spends the count once (publish.lua, settle.lua)
+	// And the session's counted requests hold both, as the entries do, each with its
+	// message's delivery tag (the publish that owns its records), until the same deadline:
+	// each request's settle spends the count once (publish.lua, settle.lua)
+	queued, err := redis.ByteSlices(env.broker.Do("LRANGE", c.cfg.Queue, 0, -1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	owned := map[string]string{}
+	for _, raw := range queued {
+		var m struct {
+			Headers    struct{ ID string } `json:"headers"`
+			Properties struct {
+				DeliveryTag string `json:"delivery_tag"`
+			} `json:"properties"`
+		}
+		if err := json.Unmarshal(raw, &m); err != nil {
+			t.Fatal(err)
+		}
+		owned[m.Headers.ID] = fields[m.Headers.ID] + " " + m.Properties.DeliveryTag
+	}
 	counted := DefaultPrefix + ".cq:pending-counted:" + id
 	if held, err := redis.StringMap(env.broker.Do("HGETALL", counted)); err != nil || len(held) != 2 ||
-		held[h.TaskID] != fields[h.TaskID] || held[del.TaskID] != fields[del.TaskID] || expiresAt(counted) != deadline(del.Seq) {
-		t.Fatalf("counted requests %q = %q (%v), expiring at %d; want the entries %q", counted, held, err,
-			expiresAt(counted), fields)
+		held[h.TaskID] != owned[h.TaskID] || held[del.TaskID] != owned[del.TaskID] || expiresAt(counted) != deadline(del.Seq) {
+		t.Fatalf("counted requests %q = %q (%v), expiring at %d; want the entries with their tags %q", counted, held, err,
+			expiresAt(counted), owned)
 	}
 	if n, err := redis.Int(env.broker.Do("HGET", DefaultPrefix+".cq:pending-counts", id)); n != 2 || err != nil {
 		t.Fatalf("count %d, %v; want 2", n, err)

@@ -125,8 +125,12 @@ func (c *Client[C]) recover(ctx context.Context) int {
 	sent := 0
 	for _, kept := range c.recent.take() {
 		token, err := newUUID()
+		var msg []byte
 		if err == nil {
-			keys, args := c.publishCall(kept.h, kept.msg, token, kept.value)
+			msg, err = withFreshTag(kept.msg)
+		}
+		if err == nil {
+			keys, args := c.publishCall(kept.h, msg, token, kept.value)
 			_, err = c.publish(ctx, kept.h, keys, args)
 		}
 		if errors.Is(err, ErrReplicationTimeout) {

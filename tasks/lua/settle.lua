@@ -30,11 +30,19 @@
 -- (by clients of an earlier release) are the counts no counted field explains: a settle
 -- whose entry is missing spends one of those, as every such settle did before, only while
 -- one is left.
--- ARGV[..]     five per settled request: session id, request id, seq ('' when the message
+--
+-- Which delivery settles (finding 5): a request published again (its producer found the
+-- broker lost it, while a worker held a delivery of it) is the latest publish's, whose
+-- delivery tag its counted field names (publish.lua). A settle of another delivery tag
+-- then leaves everything of the request (entry, value, count) to that publish's message,
+-- still queued. A tag missing on either side (a message without one, a field written
+-- before the tags, the orphan sweep) leaves the stamp alone to judge, as before.
+-- ARGV[..]     six per settled request: session id, request id, seq ('' when the message
 --              carried none that parses: then no entry is its own), op ('save' or
---              'delete'), and what to do with its values: '0' keep them (a dead letter that
+--              'delete'), what to do with its values: '0' keep them (a dead letter that
 --              could not take the value leaves it for people, until its deadline), '1'
---              delete the value, '2' delete it and the earlier-layout value
+--              delete the value, '2' delete it and the earlier-layout value; and the
+--              delivery tag of the message settled ('' unknown)
 -- The values go only when no other request's entry or counted field holds the id. A
 -- session whose entries are all gone and whose count is spent leaves the index (its counted
 -- requests go too), and so does every index entry past its deadline (its entries expired
@@ -55,14 +63,20 @@ local function uncounted(id, entries, counted)
 end
 
 local removed = 0
-local settled = #ARGV / 5
+local settled = #ARGV / 6
 for i = 1, settled do
-  local a, k = 5 * (i - 1), 2 + 5 * (i - 1)
+  local a, k = 6 * (i - 1), 2 + 5 * (i - 1)
   local id, req, seq, op, values = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5]
   local entries, legacy, counted = KEYS[k + 1], KEYS[k + 2], KEYS[k + 5]
   local ours, spent = true, false
   local stamp = seq .. ' ' .. op
+  local mine = redis.call('HGET', counted, req)
+  local owner = mine and string.match(mine, '^%S+ %S+ (%S+)$') or ''
+  mine = mine and string.match(mine, '^%S+ %S+') or mine
   local entry = redis.call('HGET', entries, req)
+  if mine == stamp and owner ~= '' and ARGV[a + 6] ~= '' and owner ~= ARGV[a + 6] then
+    ours, entry, mine = false, nil, nil -- a later publish's: its own message settles it
+  end
   if entry then
     if seq ~= '' and entry == stamp then
       removed = removed + redis.call('HDEL', entries, req)
@@ -71,7 +85,6 @@ for i = 1, settled do
       ours = false
     end
   end
-  local mine = redis.call('HGET', counted, req)
   if mine and (seq == '' or mine ~= stamp) then
     ours = false -- counted as another request (its entry gone): nothing of it is ours
   elseif ours and seq ~= '' then

@@ -48,6 +48,7 @@ from checkpointq.tasks.errors import (
 )
 from checkpointq.tasks.producer.broker_durability import LOCAL_DURABILITY, BrokerDurability
 from checkpointq.tasks.producer.clock import SeqClock, seq_clock
+from checkpointq.tasks.producer.fast_publish import new_id
 
 logger = logging.getLogger(__name__)
 
@@ -394,6 +395,22 @@ class RecentPublishes:
             return list(self._kept)
 
 
+#: How a message of ours ends: its delivery tag (kombu's envelope, ``fast_publish``).
+_TAG = b'"delivery_tag":"'
+
+
+def with_fresh_tag(message: bytes) -> bytes:
+    """``message`` with a fresh delivery tag, to publish it again: settle.lua tells the
+    republished message from a delivery of the one before by its tag (a worker that held
+    that one when the broker lost it settles nothing of the newer; finding 5 of
+    tests/model/README.md), and kombu's unacked entries are keyed by it. A message that
+    does not end with a tag goes as it is."""
+    at = message.rfind(_TAG, -96)
+    if at < 0 or not message.endswith(b'"}}'):
+        return message
+    return message[: at + len(_TAG)] + new_id().encode() + b'"}}'
+
+
 def same_redis(a: Any, b: Any) -> bool:
     """Whether two ``redis.Redis`` clients talk to one server and database."""
     pools = [getattr(c, "connection_pool", None) for c in (a, b)]
@@ -578,7 +595,8 @@ class RecordCalls:
         try:
             for kept in self.recent.take():
                 try:
-                    yield from self.push_steps(kept.queue, kept.message, kept.records)
+                    message = with_fresh_tag(kept.message)
+                    yield from self.push_steps(kept.queue, message, kept.records)
                 except SeqRefused:
                     continue  # past its deadline by now: it could never apply
                 except redis_errors.RedisError as exc:
@@ -962,7 +980,9 @@ class Settlement(NamedTuple):
     message carrying another request's id settles nothing of it; with no ``seq`` (none that
     parses), no entry is its own. ``legacy_staged``: its staged value was found in the layout
     before issue 31 (``KeySpace.legacy_pending_value``), holding its own session's
-    checkpoint."""
+    checkpoint. ``tag``: the delivery tag of the message settled ('' unknown): a request
+    published again since (a broker that lost it) is its newer message's to settle, and
+    this settle leaves it alone (tests/model/README.md, finding 5)."""
 
     session_id: str
     request_id: str
@@ -970,13 +990,14 @@ class Settlement(NamedTuple):
     deleted: bool = False
     keep_value: bool = False
     legacy_staged: bool = False
+    tag: str = ""
 
 
 def settle_command(keys: KeySpace, settled: Sequence[Settlement]) -> tuple[list[str], list[Any]]:
     """settle.lua's KEYS and ARGV for ``settled`` requests."""
     script_keys = [keys.pending_index(), keys.pending_counts()]
     args: list[Any] = []
-    for session_id, request_id, seq, deleted, keep_value, legacy_staged in settled:
+    for session_id, request_id, seq, deleted, keep_value, legacy_staged, tag in settled:
         script_keys += [
             keys.pending_requests(session_id),
             keys.pending(session_id),
@@ -986,7 +1007,7 @@ def settle_command(keys: KeySpace, settled: Sequence[Settlement]) -> tuple[list[
         ]
         values = "0" if keep_value else "2" if legacy_staged else "1"
         op = DELETE_OP if deleted else SAVE_OP
-        args += [session_id, request_id, "" if seq is None else str(seq), op, values]
+        args += [session_id, request_id, "" if seq is None else str(seq), op, values, tag]
     return script_keys, args
 
 

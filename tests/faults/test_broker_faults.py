@@ -7,6 +7,7 @@ suffix of what it accepted missing.
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import time
@@ -113,6 +114,14 @@ def _aof(broker: RedisServer) -> Path:
     return broker.workdir / "appendonlydir"
 
 
+def _come_back_from(deployment: Deployment, snapshot: Path) -> None:
+    """The broker killed (-9) and started again from ``snapshot``, an older AOF."""
+    deployment.broker.stop(kill=True)
+    shutil.rmtree(_aof(deployment.broker))
+    shutil.copytree(snapshot, _aof(deployment.broker))
+    deployment.broker.start()
+
+
 def test_a_broker_gone_back_in_time_is_detected_and_what_producers_hold_comes_back(
     deployment: Deployment,
 ) -> None:
@@ -134,10 +143,7 @@ def test_a_broker_gone_back_in_time_is_detected_and_what_producers_hold_comes_ba
                 _turn(client, session_id, 2)
             client.delete(f"doomed-{r}")
         # When the broker comes back with what it held before them (kill -9, old AOF)
-        deployment.broker.stop(kill=True)
-        shutil.rmtree(_aof(deployment.broker))
-        shutil.copytree(snapshot, _aof(deployment.broker))
-        deployment.broker.start()
+        _come_back_from(deployment, snapshot)
         # Then each replica's next load finds it, counts it once, republishes what it
         # published lately, and serves turn 2 (and no doomed session)
         for r, client in enumerate(replicas):
@@ -197,10 +203,7 @@ def test_a_loss_that_unaware_publishes_cover_up_is_detected_by_the_marks_token(
         pending_mark = deployment.keys.pending_mark()
         seen = deployment.broker_client().hget(pending_mark, "n")  # A's last publish's
         # When the broker comes back without them (kill -9, old AOF)
-        deployment.broker.stop(kill=True)
-        shutil.rmtree(_aof(deployment.broker))
-        shutil.copytree(snapshot, _aof(deployment.broker))
-        deployment.broker.start()
+        _come_back_from(deployment, snapshot)
         # And B, which saw none of the lost marks, publishes twice: the mark is A's again
         _turn(b, "b-session", 2)
         _turn(b, "b-session", 3)
@@ -311,6 +314,57 @@ def test_a_redelivered_settle_does_not_spend_the_count_of_another_missing_record
             return False
 
     wait_until(answered, timeout=30, interval=0.05, message="loads answer turn 3")
+
+
+def test_an_older_deliverys_settle_leaves_a_republished_request_to_its_own_message(
+    deployment: Deployment,
+) -> None:
+    # Finding 5 (tests/model/README.md): a worker held a delivery of a staged save when the
+    # broker lost it; its settle, once the producer had published the request again (same
+    # id, same stamp), removed the republished entry, count and value: loads missed the
+    # save while it was queued, and its republished message was dead-lettered "value lost".
+    session_id = "republished"
+    broker = deployment.broker_client()
+    client = _client(deployment, stage_saves=True)
+    try:
+        worker = deployment.worker()
+        first = _turn(client, session_id, 1)
+        assert client.wait_durable(first, timeout=60).outcome == APPLIED
+        worker.terminate()
+        snapshot = Path(tempfile.mkdtemp(prefix="cq-aof-")) / "appendonlydir"
+        shutil.copytree(_aof(deployment.broker), snapshot)  # nothing writes meanwhile
+        # Given turn 2 accepted, and its message (delivery D1) taken by a worker
+        second = _turn(client, session_id, 2)
+        (held,) = broker.lrange(QUEUE, 0, -1)
+        held_tag = json.loads(held)["properties"]["delivery_tag"]
+        # And the broker come back without it (its value went too), and the producer's next
+        # load finding the loss and publishing turn 2 again
+        _come_back_from(deployment, snapshot)
+        assert _turns(client.load(session_id)) == ["t1", "t2"]
+        assert client.epoch_changes == 1
+        queued = [json.loads(m) for m in broker.lrange(QUEUE, 0, -1)]  # turns 1 and 2
+        (again,) = [m for m in queued if m["headers"]["id"] == second.request]
+        assert again["properties"]["delivery_tag"] != held_tag
+        # When the worker holding D1, its value gone, dead-letters it and settles it: the
+        # worker's own settle call, with D1's delivery tag
+        Settler(broker, deployment.keys).settle(
+            [Settlement(session_id, second.request, second.seq, tag=held_tag)]
+        )
+        # Then loads still answer turn 2, queued again
+        assert _turns(client.load(session_id)) == ["t1", "t2"]
+        # And a worker applies the republished message, value and all
+        deployment.worker()
+        assert client.wait_durable(second, timeout=60).outcome == APPLIED
+        assert _turns(deployment.store().load(session_id)) == ["t1", "t2"]
+        wait_until(
+            lambda: not broker.exists(deployment.keys.pending_requests(session_id)),
+            timeout=30,
+            message="turn 2 settled by its own message",
+        )
+        assert deployment.dead_letters().count() == 0
+        shutil.rmtree(snapshot.parent)
+    finally:
+        client.close()
 
 
 def test_a_purged_queue_leaves_no_record_serving_a_turn_that_never_lands(

@@ -26,6 +26,9 @@
  *   SETTLE_ANY_MISSING       a settle whose entry is missing counts one less whenever the
  *                            count expects a missing entry, whoever's (before the counted
  *                            requests: finding 6)
+ *   SETTLE_ANY_DELIVERY      a settle of a delivery from before its request's republish
+ *                            removes the republished entry and value (before the delivery
+ *                            tags: finding 5)
  * The broker's faults of issue 44 (README.md, "The broker's faults"), each a -D macro:
  *   SUFFIX_LOSS              the loss may also be of a suffix (the broker goes back in time)
  *   WINDOW=w                 producers detect a loss (epoch, mark) and publish again their
@@ -177,10 +180,12 @@ byte pe[NP], pm[NP], pu[NP];
 bit lc[NP];
 #endif
 #ifdef WINDOW
-bit back[NSL];          /* republished while a worker held a delivery from before the loss */
-#define BACK(q) (back[q] && ENTRY_OF(q))
+bit wst[NW];            /* the worker holds a delivery from before its request's latest
+                         * publish (a republish): its settle is not the records' (the
+                         * counted field names another delivery tag: settle.lua) */
+#define FRESH(w) wst[w] = 0
 #else
-#define BACK(q) false
+#define FRESH(w) skip
 #endif
 #ifdef RECORD_LOSS
 byte cnt[NSS];          /* publish.lua's pending counts: entries written and not settled */
@@ -201,9 +206,9 @@ bit lostrec[NSL];       /* the sweep settled it as lost (a refusal record of kin
 #endif
 /* a request's own entry is on the broker (a load may serve it, by design) */
 #define ENTRY_OF(q) (e_on[KSE(q)] && e_slot[KSE(q)] == (q))
-/* which requests an answer may come from besides those that count: one republished while a
- * worker held it, or one purged whose entry the sweep has not settled yet */
-#define SERVABLE(q) (BACK(q) || PURGED_ON(q))
+/* which requests an answer may come from besides those that count: one purged whose entry
+ * the sweep has not settled yet */
+#define SERVABLE(q) PURGED_ON(q)
 
 #ifdef HIJACK_SAME_SESSION
 #define HIJACK_SAME true
@@ -446,7 +451,6 @@ inline push_records(i) {
 }
 
 #ifdef WINDOW
-#define HELD(q) (wcur[0] == (q) || (NW > 1 && wcur[NW - 1] == (q)))
 /* recover: publish again, oldest first, p's accepted requests of the last WINDOW ticks
  * (each the same request: same id and stamp). One the broker refuses (past its deadline
  * now) is skipped. A republished request counts again: it is back on the broker. */
@@ -460,10 +464,11 @@ inline recover(p) {
        :: else ->
           printf(" -> accepted\n");
           if :: msg[hr] != QUEUED && msg[hr] != UNACKED -> msg[hr] = QUEUED :: else fi;
-          /* back on the broker, it counts again; unless a worker still holds a delivery
-           * of it from before the loss, whose settle may remove the republished entry
-           * and value (README.md, finding 6) */
-          if :: !HELD(hr) -> exempt[hr] = 0 :: else -> back[hr] = 1 fi;
+          /* back on the broker, it counts again; a worker still holding a delivery of
+           * it from before the loss settles nothing of it (README.md, finding 5) */
+          exempt[hr] = 0;
+          if :: wcur[0] == hr -> wst[0] = 1 :: else fi;
+          if :: NW > 1 && wcur[NW - 1] == hr -> wst[NW - 1] = 1 :: else fi;
           push_records(hr);
           push_mark(p, hr)
        fi
@@ -800,6 +805,11 @@ inline apply(i, vc) {
 inline settle(i) {
   hs = r_s[i];
   printf("t%d worker settles #%d\n", now, i);
+#if defined(WINDOW) && !defined(SETTLE_ANY_DELIVERY)
+  if
+  :: wst[w] -> printf("t%d   (a later publish's records: left to its message)\n", now)
+  :: else ->
+#endif
 #ifdef SETTLE_BY_SEQ
   /* v1: every entry of the session with seq <= the settled request's */
   for (hq : 1 .. NREQ) {
@@ -839,6 +849,9 @@ inline settle(i) {
 #endif
 #endif
   hq = KSV(i); v_on[hq] = 0; v_slot[hq] = 0
+#if defined(WINDOW) && !defined(SETTLE_ANY_DELIVERY)
+  fi
+#endif
 }
 
 inline pick_queued(i) {
@@ -870,7 +883,7 @@ inline pick_queued(i) {
 #define CRASH(w, i) \
   printf("t%d worker %d crashes holding #%d (redelivered after VT)\n", now, w, i); \
   if :: msg[i] == UNACKED -> msg[i] = QUEUED :: else fi; \
-  wcur[w] = 0; i = 0
+  wcur[w] = 0; FRESH(w); i = 0
 #ifdef CRASHES
 #define CAN_CRASH (crashes < CRASHES)
 #define COUNT_CRASH crashes++
@@ -900,7 +913,7 @@ end_idle:
              settle(i);
              if :: msg[i] == UNACKED -> msg[i] = ACKED :: else fi;
              printf("t%d worker %d acks #%d\n", now, w, i);
-             wcur[w] = 0; i = 0
+             wcur[w] = 0; FRESH(w); i = 0
            }
         :: d_step {                                        /* crash after the store write */
              CAN_CRASH; COUNT_CRASH;

@@ -39,6 +39,7 @@ VARIANTS = [
     "no-record-counts",
     "sweep-queue-only",
     "settle-counts-any-missing",
+    "settle-any-delivery",
 ]
 
 

@@ -8,15 +8,18 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import orjson
 import pytest
 from redis import exceptions as redis_errors
 
 from checkpointq.store.keys import KeySpace
+from checkpointq.tasks.producer.fast_publish import Envelopes
 from checkpointq.tasks.producer.pending import (
     Commands,
     RecordCalls,
     RecordWrite,
     drive,
+    with_fresh_tag,
 )
 
 EPOCH = b"epoch-1"
@@ -85,3 +88,27 @@ def test_a_pass_abandoned_mid_write_lets_the_next_one_run() -> None:
     abandoned.close()
     # Then the next pass is not refused as "under way"
     assert drive(calls.recover_steps(), lambda _: [[EPOCH, 11, 0]]) == 1
+
+
+def test_a_republished_message_carries_a_fresh_delivery_tag_and_nothing_else_new() -> None:
+    # Given a publish kept in the window, as the fast publisher builds its message
+    first = Envelopes("q").envelope("checkpoint.delete", b"[[], {}, {}]", "()", "{}", "r0")
+    calls = RecordCalls(KeySpace(), ttl_seconds=60)
+    calls.epochs.observe(EPOCH, 10)
+    calls.recent.add("q", first, [RecordWrite("s0", 1, "delete", "r0")])
+    sent: list[bytes] = []
+
+    def send(commands: Commands) -> list[Any]:
+        sent.append(_message(commands))
+        return [[EPOCH, 11, 0]]
+
+    # When the pass publishes it again
+    drive(calls.recover_steps(), send)
+    # Then its delivery tag is new (settle.lua tells the two publishes apart by it) and the
+    # rest of the message is as it was
+    (again,) = [orjson.loads(m) for m in sent]
+    before = orjson.loads(first)
+    assert again["properties"].pop("delivery_tag") != before["properties"].pop("delivery_tag")
+    assert again == before
+    # And a message that does not end with a tag goes as it is
+    assert with_fresh_tag(b'{"body": "x"}') == b'{"body": "x"}'

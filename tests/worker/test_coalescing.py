@@ -21,6 +21,7 @@ from billiard.einfo import ExceptionInfo
 from checkpointq.store.errors import StoreUnavailable
 from checkpointq.tasks.messages import SAVE
 from checkpointq.tasks.producer.client import CheckpointClient
+from checkpointq.tasks.producer.pending import Settlement
 from checkpointq.worker.coalesce import Coalescer, _Pending
 from checkpointq.worker.group_events import GroupEvents
 from checkpointq.worker.settings import Settings
@@ -66,9 +67,9 @@ class Pool:
         self.failures.pop(id(callback))(error)
 
     def answer(self, index: int = 0) -> None:
-        """The job applied every request of its group (each settled as (session, request))."""
+        """The job applied every request of its group (each settled as request of session)."""
         requests, callback = self.jobs.pop(index)
-        callback([("session", "request")] * len(requests))
+        callback([Settlement("session", "request", 1)] * len(requests))
 
     def sizes(self) -> list[int]:
         return [len(requests) for requests, _ in self.jobs]

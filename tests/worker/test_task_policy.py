@@ -6,12 +6,14 @@ import pickle
 import random
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any, NoReturn
 
 import fakeredis
 import pytest
 from billiard.einfo import ExceptionInfo
 from celery import Celery, Task
+from celery.app.task import Context
 from celery.app.trace import build_tracer
 from celery.exceptions import Reject, Retry
 from redis.exceptions import OutOfMemoryError
@@ -344,3 +346,18 @@ def test_celery_config_is_json_only_late_ack_and_fits_the_visibility_timeout() -
         settings.retry_max, settings.retry_backoff_seconds, settings.retry_backoff_max_seconds
     )
     assert max(policy.ceiling(n) for n in range(settings.retry_max + 1)) < visibility
+
+
+def test_a_retry_settles_as_the_publish_it_descends_from() -> None:
+    # Given a message as delivered, and a retry's copy of it (a new delivery tag, Celery's,
+    # and the header the worker's retry sets)
+    delivered = Context(properties={"delivery_tag": "first"})
+    retried = Context(properties={"delivery_tag": "copy"}, **{messages.TAG_HEADER: "first"})
+    # Then both settle as the first publish (settle.lua), and a request without either as
+    # unknown (its stamp alone then judges)
+    assert messages.delivery_tag(delivered) == messages.delivery_tag(retried) == "first"
+    assert messages.delivery_tag(Context()) == ""
+    # And so do the messages the coalesced path settles in the main process
+    copy = SimpleNamespace(headers={messages.TAG_HEADER: "first"}, delivery_tag="copy")
+    assert messages.message_tag(copy) == "first"
+    assert messages.message_tag(SimpleNamespace(headers={}, delivery_tag="first")) == "first"

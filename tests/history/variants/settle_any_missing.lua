@@ -6,9 +6,9 @@
 -- history check must find that (test_histories.py). KEYS and ARGV as settle.lua's (its
 -- counted requests, KEYS[k + 5], are left alone).
 local removed = 0
-local settled = #ARGV / 5
+local settled = #ARGV / 6
 for i = 1, settled do
-  local a, k = 5 * (i - 1), 2 + 5 * (i - 1)
+  local a, k = 6 * (i - 1), 2 + 5 * (i - 1)
   local id, req, seq, op, values = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5]
   local entries, legacy = KEYS[k + 1], KEYS[k + 2]
   local ours = true

@@ -2,9 +2,9 @@
 -- A settled request removes every entry of its session whose seq is at or below its own,
 -- not only its own entry: settling a save then removes a delete stamped alike (hole 2).
 -- The history check must find that (test_histories.py). KEYS and ARGV as settle.lua's.
-local settled = #ARGV / 5
+local settled = #ARGV / 6
 for i = 1, settled do
-  local a, k = 5 * (i - 1), 2 + 5 * (i - 1)
+  local a, k = 6 * (i - 1), 2 + 5 * (i - 1)
   local id, req, values = ARGV[a + 1], ARGV[a + 2], ARGV[a + 5]
   local entries, legacy = KEYS[k + 1], KEYS[k + 2]
   local own = redis.call('HGET', entries, req)
