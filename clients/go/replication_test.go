@@ -15,6 +15,9 @@ import (
 // Config.BrokerDurability Replicated against a real primary and its replica (replicaof),
 // the replica frozen by SIGSTOP: a save returns once the replica has it, and one the
 // replica cannot acknowledge returns ErrReplicationTimeout with its handle.
+// frozenTimeout is how long a save waits for the broker's replica in these tests.
+const frozenTimeout = 2 * time.Second
+
 func TestReplicatedSavesWaitForTheBrokerReplica(t *testing.T) {
 	primary := privateRedis(t)
 	if _, err := primary.Do("CONFIG", "SET", "repl-diskless-sync-delay", "0"); err != nil {
@@ -33,10 +36,21 @@ func TestReplicatedSavesWaitForTheBrokerReplica(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The replica says "up" once it loaded the snapshot; the primary counts it online (and
+	// asks it for acknowledgements) only after its first one.
+	err = pollUntil(30*time.Second, "the primary sees its replica online", func() bool {
+		info, err := redis.String(primary.Do("INFO", "replication"))
+		return err == nil && strings.Contains(info, "state=online")
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 	broker := newRedigo(primary.Addr)
 	defer broker.Close()
+	// The live save waits for the replica's acknowledgement as long as the frozen one waits
+	// in vain: 2 s leaves a loaded machine room to schedule it (300 ms once did not).
 	c := New[Checkpoint](Config{Broker: broker, BrokerDurability: Replicated,
-		BrokerReplicationTimeout: 300 * time.Millisecond})
+		BrokerReplicationTimeout: frozenTimeout})
 	ctx := context.Background()
 
 	// Given a live replica: the save returns and the replica holds its pending entry
@@ -62,10 +76,10 @@ func TestReplicatedSavesWaitForTheBrokerReplica(t *testing.T) {
 	if !errors.Is(err, ErrReplicationTimeout) {
 		t.Fatalf("err = %v, want ErrReplicationTimeout", err)
 	}
-	if !strings.Contains(err.Error(), "only 0 of 1 replica(s) acknowledged it within 300ms") {
+	if !strings.Contains(err.Error(), "only 0 of 1 replica(s) acknowledged it within 2s") {
 		t.Fatalf("the error does not say what happened: %v", err)
 	}
-	if waited < 300*time.Millisecond || frozen.SessionID != "frozen" || frozen.TaskID == "" {
+	if waited < frozenTimeout || frozen.SessionID != "frozen" || frozen.TaskID == "" {
 		t.Fatalf("waited %s, handle %+v", waited, frozen)
 	}
 	// And the primary has it, once: loads serve it, and nothing was pushed twice
