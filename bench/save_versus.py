@@ -1,0 +1,146 @@
+"""The producer's save, this checkout against another one, side by side in one run.
+
+    python -m bench.save_versus --other PATH [--label NAME] [--rounds 7] [--calls 2000]
+                                [--warmup 4000]
+
+``PATH`` is another checkout of checkpointq with its own ``.venv`` (e.g. ``git worktree add
+/tmp/before 101094d && (cd /tmp/before && source scripts/setup-env)``): what a release
+costs a save against an earlier one, which no benchmark of one tree can say. On one private
+redis-server (broker and store alike, emptied before each round), each round runs one
+process per checkout, alternating which goes first: ``--warmup`` saves, then ``--calls``
+default-mode saves (``CheckpointClient.save`` of a ~20 KB checkpoint, staged, 100
+sessions) timed one by one, the process's CPU time over them, and the server's time in
+EVALSHA and in all commands (``INFO commandstats``) per save. Reports medians with min-max
+and the median of the per-round ratios (this checkout / the other).
+
+The warm-up is past what the producer's recovery window keeps (64 MiB by default, about
+3,000 of these saves): until then each save's message and value are memory the process
+has never used, and its page faults (about 8 a save) would be counted as the window's cost,
+which a producer running for longer than that no longer pays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from tests.support.servers import RedisServer
+
+#: One round in a checkout's own interpreter: it imports that checkout's checkpointq only.
+ROUND = """
+import json, sys, time
+from bench.workload import make_checkpoint
+from checkpointq.store import RedisStore
+from checkpointq.tasks.producer.client import CheckpointClient
+
+url, calls, warmup = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+client = CheckpointClient(url, RedisStore.from_url(url))
+checkpoints = [make_checkpoint(f"s{i}", 20_000) for i in range(100)]
+
+def save(i):
+    checkpoint = checkpoints[i % 100].model_copy(update={"version": i + 1})
+    start = time.perf_counter()
+    client.save(checkpoint)
+    return time.perf_counter() - start
+
+for i in range(warmup):
+    save(i)
+cpu = time.process_time()
+micros = sorted(save(i) * 1e6 for i in range(warmup, warmup + calls))
+cpu = (time.process_time() - cpu) * 1e6 / calls
+client.close()
+print(json.dumps({"p50": micros[len(micros) // 2], "p99": micros[int(len(micros) * 0.99)],
+                  "cpu": cpu}))
+"""
+
+METRICS = {
+    "p50": "save p50 (us)",
+    "p99": "save p99 (us)",
+    "cpu": "producer CPU per save (us)",
+    "evalsha": "server time in EVALSHA per save (us)",
+    "server": "server time in all commands per save (us)",
+}
+
+
+def _round(
+    tree: Path, server: RedisServer, raw: redis.Redis, calls: int, warmup: int
+) -> dict[str, float]:
+    raw.flushall()
+    raw.config_resetstat()
+    python = tree / ".venv" / "bin" / "python"
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    done = subprocess.run(
+        [str(python), "-c", ROUND, server.url, str(calls), str(warmup)],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode:
+        sys.exit(f"the round in {tree} failed:\n{done.stderr[-3000:]}")
+    figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    stats: dict[str, Any] = raw.info("commandstats")
+    saves = calls + warmup
+    figures["evalsha"] = stats.get("cmdstat_evalsha", {}).get("usec", 0) / saves
+    figures["server"] = sum(v.get("usec", 0) for v in stats.values()) / saves
+    return figures
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--other", type=Path, required=True, help="another checkout")
+    parser.add_argument("--label", default=None, help="its name in the report")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--warmup", type=int, default=4000)
+    options = parser.parse_args()
+    here = Path(__file__).resolve().parents[1]
+    other: Path = options.other.resolve()
+    if not (other / ".venv" / "bin" / "python").exists():
+        sys.exit(f"{other} has no .venv: run `source scripts/setup-env` there first")
+    trees = {"this checkout": here, options.label or str(other): other}
+    figures: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+    server = RedisServer().start()
+    raw = server.client()
+    began = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    load = os.getloadavg()[0]
+    try:
+        for i in range(options.rounds):
+            names = list(trees) if i % 2 == 0 else list(reversed(trees))
+            for name in names:
+                figures[name].append(
+                    _round(trees[name], server, raw, options.calls, options.warmup)
+                )
+    finally:
+        raw.close()
+        server.cleanup()
+    mine, theirs = figures["this checkout"], figures[list(trees)[1]]
+    print(
+        f"{began}, {options.rounds} rounds of {options.calls} saves after {options.warmup}, "
+        f"load {load:.1f} -> "
+        f"{os.getloadavg()[0]:.1f}; medians (min-max); ratio = this / other, per round"
+    )
+    print(f"| figure | this checkout | {list(trees)[1]} | ratio |\n|---|---:|---:|---:|")
+    for key, title in METRICS.items():
+        a, b = [f[key] for f in mine], [f[key] for f in theirs]
+        ratios = [x / y for x, y in zip(a, b, strict=True) if y]
+        ratio = f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+        print(f"| {title} | {_spread(a)} | {_spread(b)} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
