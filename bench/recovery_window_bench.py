@@ -119,6 +119,8 @@ def main() -> None:
         keys += ["b.cq:pending-mark", "b.cq:pending-counts"] if name in seen else []
         req = str(next(ids))
         keys += [f"b.cq:pending-requests:r{i % 32}", f"b.cq:pending-value:3:r{i % 32}:{req}"]
+        # publish.lua now also takes the session's counted requests (finding 6)
+        keys += [f"b.cq:pending-counted:r{i % 32}"] if name == "publish.lua now" else []
         record: list[bytes | str | int] = [f"r{i % 32}", clock, "save", req, value]
         reply = raw.evalsha(shas[name], len(keys), *keys, *head, *seen.get(name, []), *record)
         if name in seen:
