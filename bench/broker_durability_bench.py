@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import redis
 
-from bench.harness import percentile, time_calls
+from bench.harness import percentile, summarize, time_calls
 from bench.workload import make_checkpoint
 from checkpointq.store import RedisStore
 from checkpointq.tasks.producer.broker_durability import BrokerDurability
@@ -26,10 +26,6 @@ from checkpointq.tasks.producer.client import CheckpointClient
 from tests.support.servers import RedisServer, wait_until
 
 SIZE = 20_000
-
-
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
 
 
 def main() -> None:
@@ -74,7 +70,10 @@ def main() -> None:
         f"{options.repeats} interleaved repetitions of {options.calls} calls"
     )
     for name in ways:
-        print(f"  {name}: p50 {_spread(p50s[name])}, p99 {_spread(p99s[name])}")
+        print(
+            f"  {name}: p50 {summarize(p50s[name]).fmt('.0f')}, "
+            f"p99 {summarize(p99s[name]).fmt('.0f')}"
+        )
     local, replicated = (statistics.median(p50s[n]) for n in ways)
     ratios = [r / loc for loc, r in zip(*p50s.values(), strict=True)]
     print(

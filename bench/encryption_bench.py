@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.harness import summarize  # noqa: E402
 from bench.workload import make_checkpoint  # noqa: E402
 from checkpointq.store import RedisStore, StoreOptions  # noqa: E402
 from checkpointq.store.encryption import Keyring, generate_key  # noqa: E402
@@ -138,10 +139,7 @@ def main() -> None:
         for mode in MODES:
             cols = []
             for i in range(4):
-                values = [r[i] for r in results[mode]]
-                cols.append(
-                    f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
-                )
+                cols.append(summarize([r[i] for r in results[mode]]).fmt(".0f"))
             print(f"| {mode} | " + " | ".join(cols) + " |")
         for i, name in enumerate(("save p50", "drain", "load p50", "save CPU p50")):
             clear = statistics.median(r[i] for r in results["clear"])

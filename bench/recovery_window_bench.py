@@ -25,14 +25,13 @@ import argparse
 import hashlib
 import itertools
 import os
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import redis
 
-from bench.harness import percentile, time_calls
+from bench.harness import percentile, summarize, time_calls
 from bench.workload import make_checkpoint
 from checkpointq.store import RedisStore
 from checkpointq.store.scripts import script_source
@@ -41,10 +40,6 @@ from tests.support.servers import RedisServer
 
 SIZE = 20_000
 QUEUE = "checkpoints"
-
-
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
 
 
 def _empty(raw: redis.Redis) -> None:
@@ -154,7 +149,7 @@ def main() -> None:
     recent = clients["save, window on"].pending_records.recent  # type: ignore[union-attr]
     print(f"p50 us, median (min-max) of {options.repeats} repetitions of {options.calls} calls")
     for name, values in p50s.items():
-        print(f"  {name}: {_spread(values)}")
+        print(f"  {name}: {summarize(values).fmt('.1f')}")
     print(f"window: {len(recent)} saves kept, {recent.bytes / max(1, len(recent)):.0f} bytes each")
     for client in clients.values():
         client.close()

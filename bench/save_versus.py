@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from typing import Any
 
 import redis
 
+from bench.harness import summarize
 from tests.support.servers import RedisServer
 
 #: One round in a checkout's own interpreter: it imports that checkout's checkpointq only.
@@ -96,10 +96,6 @@ def _round(
     return figures
 
 
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--other", type=Path, required=True, help="another checkout")
@@ -138,8 +134,8 @@ def main() -> None:
     for key, title in METRICS.items():
         a, b = [f[key] for f in mine], [f[key] for f in theirs]
         ratios = [x / y for x, y in zip(a, b, strict=True) if y]
-        ratio = f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
-        print(f"| {title} | {_spread(a)} | {_spread(b)} | {ratio} |")
+        ratio = summarize(ratios).fmt(".3f")
+        print(f"| {title} | {summarize(a).fmt('.1f')} | {summarize(b).fmt('.1f')} | {ratio} |")
 
 
 if __name__ == "__main__":
