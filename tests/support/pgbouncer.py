@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.postgres import PostgresServer, as_server_user
-from tests.support.servers import free_port, wait_until
+from tests.support.servers import end_process, free_port, wait_until
 
 _CONF = """
 [databases]
@@ -123,12 +123,7 @@ class PgBouncer:
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+            end_process(self.process)
 
     def cleanup(self) -> None:
         self.stop()

@@ -72,6 +72,20 @@ def wait_until(
     raise AssertionError(f"timed out after {timeout}s waiting for {message}") from last_error
 
 
+def end_process(process: subprocess.Popen[Any], *, kill: bool = False) -> None:
+    """Ask a server process to stop (SIGTERM, or SIGKILL with ``kill``) and wait for it;
+    kill it if it has not exited after 10 s."""
+    if kill:
+        process.kill()
+    else:
+        process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)
+
+
 @dataclass
 class RedisServer:
     """One redis-server process; ``start()`` may be called again after ``stop()``."""
@@ -134,15 +148,7 @@ class RedisServer:
     def stop(self, *, kill: bool = False) -> None:
         if self.process is None:
             return
-        if kill:
-            self.process.kill()
-        else:
-            self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=10)
+        end_process(self.process, kill=kill)
         self.process = None
 
     def cleanup(self) -> None:
