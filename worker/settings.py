@@ -386,6 +386,11 @@ class Settings(BaseSettings):
             )
         if self.tombstone_ttl_seconds <= self.visibility_timeout:
             raise ValueError("tombstone_ttl_seconds must exceed visibility_timeout")
+        if self.orphan_grace_seconds <= self.republish_seconds:
+            raise ValueError(
+                "orphan_grace_seconds must exceed republish_seconds, or a request the sweep "
+                "settled as lost could be published again by its producer and land after it"
+            )
         return self
 
     @model_validator(mode="after")

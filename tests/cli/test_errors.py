@@ -167,6 +167,20 @@ def test_an_invalid_setting_is_named_without_echoing_its_value(
     assert SECRET not in result.output
 
 
+def test_an_orphan_grace_within_the_recovery_window_is_refused(
+    cli_offline: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A request the sweep settled as lost could be published again by its producer (it
+    # finds a broker loss) and land after its dead letter said lost.
+    monkeypatch.setenv("CHECKPOINTQ_BROKER_URL", "redis://127.0.0.1:1/0")
+    monkeypatch.setenv("CHECKPOINTQ_ORPHAN_GRACE_SECONDS", "10")
+
+    result = cli_offline("stats")
+
+    assert result.exit_code == 1
+    assert "orphan_grace_seconds must exceed republish_seconds" in result.stderr
+
+
 def test_an_invalid_checkpoint_file_is_refused_before_anything_is_enqueued(
     cli_offline: Cli, monkeypatch: pytest.MonkeyPatch
 ) -> None:

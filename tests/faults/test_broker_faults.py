@@ -370,8 +370,11 @@ def test_an_older_deliverys_settle_leaves_a_republished_request_to_its_own_messa
 def test_a_purged_queue_leaves_no_record_serving_a_turn_that_never_lands(
     deployment: Deployment, client: CheckpointClient
 ) -> None:
-    # Given a sweep every second that looks for messages of entries older than 1 s
-    deployment.settings.update(sweep_interval_seconds=1.0, orphan_grace_seconds=1.0)
+    # Given a sweep every second that looks for messages of entries older than 1 s (a
+    # grace the settings accept only above the producers' recovery window)
+    deployment.settings.update(
+        sweep_interval_seconds=1.0, orphan_grace_seconds=1.0, republish_seconds=0.5
+    )
     sessions = [f"purged-{n}" for n in range(20)]
     store = deployment.store()
     worker = deployment.worker()
