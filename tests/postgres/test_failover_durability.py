@@ -14,20 +14,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 
 from checkpointq.tasks.producer.client import Handle
-from checkpointq.worker.settings import Settings
 from tests.faults.harness import DELETE, hold, judge
-from tests.postgres.conftest import PgDeployment
-from tests.postgres.proxy import Proxy
-from tests.postgres.traffic import PAUSED, RETRIES, Run, Traffic, settle
-from tests.support.celery_processes import CeleryProcess, checkpointq_env
-from tests.support.postgres import PostgresServer
-from tests.support.servers import RedisServer
-from tests.support.workers import TEST_WORKER_SETTINGS
+from tests.postgres.traffic import PAUSED, Failover, Run, Traffic, failover_deployment, settle
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -35,54 +27,19 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 LAG = 3.0
 
 
-@dataclass
-class Failover:
-    run: Run
-    primary: PostgresServer
-    standby: PostgresServer
-    proxy: Proxy
-
-
 @pytest.fixture
 def failover(request: pytest.FixtureRequest) -> Iterator[Failover]:
-    durability = str(request.param)
-    broker = RedisServer().start()
-    primary = PostgresServer().start()
-    proxy = Proxy(primary.port)
-    standby: PostgresServer | None = None
-    worker: CeleryProcess | None = None
-    run: Run | None = None
-    try:
-        standby = PostgresServer(standby_of=primary, slot="standby1").start()
-        values = {
-            **TEST_WORKER_SETTINGS,
-            **RETRIES,
-            "broker_url": broker.url,
-            "store_url": proxy.url(),
-            "pg_schema": "failover",
-            "pg_durability": durability,
-            "pg_replication_timeout_seconds": 1.0,
-            "store_probe_seconds": 0.5,
-        }
-        worker = CeleryProcess("worker", checkpointq_env(**values)).start()
-        deployment = PgDeployment(broker, primary, worker, Settings(**values))  # type: ignore[arg-type]
-        client = deployment.checkpoint_client()
-        assert worker.process is not None
-        traffic = Traffic(client, sessions=20, rate=60.0, delete_every=4)
-        run = Run(deployment, client, traffic, worker.process.pid, len(worker.log()))
-        yield Failover(run, primary, standby, proxy)
-    finally:
-        if run is not None:
-            run.traffic.stop.set()
-            run.client.close()
-        if worker is not None:
-            code = worker.stop()
-            print(f"--- worker log (exit {code}) ---\n{worker.log()}")
-        proxy.close()
-        for server in (standby, primary):
-            if server is not None:
-                server.cleanup()
-        broker.cleanup()
+    settings = {
+        "pg_durability": str(request.param),
+        "pg_replication_timeout_seconds": 1.0,
+        "store_probe_seconds": 0.5,
+    }
+    with failover_deployment(
+        settings,
+        standby_slot="standby1",
+        traffic=lambda client: Traffic(client, sessions=20, rate=60.0, delete_every=4),
+    ) as world:
+        yield world
 
 
 def _reported(run: Run, handles: list[Handle]) -> list[tuple[Handle, str]]:

@@ -23,26 +23,22 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from checkpointq.tasks.producer.client import CheckpointClient
-from checkpointq.worker.settings import Settings
 from tests.faults.harness import hold
 from tests.postgres.conftest import PgDeployment
-from tests.postgres.proxy import Proxy
 from tests.postgres.traffic import (
     BUDGET,
     OUTAGE,
     PAUSED,
     RESUMED,
     RETRIES,
+    Failover,
     Run,
-    Traffic,
+    failover_deployment,
     running,
     settle,
 )
-from tests.support.celery_processes import CeleryProcess, checkpointq_env
 from tests.support.postgres import PostgresServer
-from tests.support.servers import RedisServer, wait_until
-from tests.support.workers import TEST_WORKER_SETTINGS
+from tests.support.servers import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -249,49 +245,17 @@ def test_a_full_disk_under_the_sessions_table_loses_nothing_and_heals(run: Run) 
 
 
 @pytest.fixture
-def failover() -> Iterator[tuple[Run, PostgresServer, PostgresServer, Proxy]]:
-    """A deployment whose worker reaches its primary through a proxy (the address that
-    moves in a failover), with a streaming standby beside it."""
-    broker = RedisServer().start()
-    primary = PostgresServer().start()
-    proxy = Proxy(primary.port)
-    standby: PostgresServer | None = None
-    worker: CeleryProcess | None = None
-    client: CheckpointClient | None = None
-    try:
-        values = {
-            **TEST_WORKER_SETTINGS,
-            **RETRIES,
-            "broker_url": broker.url,
-            "store_url": proxy.url(),
-            "pg_schema": "failover",
-        }
-        worker = CeleryProcess("worker", checkpointq_env(**values)).start()
-        settings = Settings(**values)  # type: ignore[arg-type]
-        deployment = PgDeployment(broker, primary, worker, settings)
-        # (the worker made the schema as it started: the standby copies it)
-        standby = PostgresServer(standby_of=primary).start()
-        client = deployment.checkpoint_client()
-        assert worker.process is not None
-        run = Run(deployment, client, Traffic(client), worker.process.pid, len(worker.log()))
-        yield run, primary, standby, proxy
-    finally:
-        if client is not None:
-            client.close()
-        if worker is not None:
-            code = worker.stop()
-            print(f"--- worker log (exit {code}) ---\n{worker.log()}")
-        proxy.close()
-        for server in (standby, primary):
-            if server is not None:
-                server.cleanup()
-        broker.cleanup()
+def failover() -> Iterator[Failover]:
+    """A deployment whose worker reaches its primary through a proxy, with a streaming
+    standby beside it."""
+    with failover_deployment({}) as world:
+        yield world
 
 
 def test_a_failover_to_a_read_only_standby_pauses_until_it_is_promoted(
-    failover: tuple[Run, PostgresServer, PostgresServer, Proxy],
+    failover: Failover,
 ) -> None:
-    run, primary, standby, proxy = failover
+    run, primary, standby, proxy = failover.run, failover.primary, failover.standby, failover.proxy
     run.traffic.start().more(100)
     # When the primary stops and the worker's address moves to the standby, which serves
     # reads but refuses every write, for several retry budgets

@@ -7,15 +7,20 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from checkpointq.tasks.producer.client import CheckpointClient, Handle
+from checkpointq.worker.settings import Settings
 from tests.faults.harness import DELETE, SAVE, Request, judge, winners
 from tests.postgres.conftest import PgDeployment
+from tests.postgres.proxy import Proxy
+from tests.support.celery_processes import CeleryProcess, checkpointq_env
 from tests.support.checkpoints import make_checkpoint
-from tests.support.servers import wait_until
+from tests.support.postgres import PostgresServer
+from tests.support.servers import RedisServer, wait_until
+from tests.support.workers import TEST_WORKER_SETTINGS
 
 #: What the worker logs when it stops taking messages, and when it takes them again.
 PAUSED = "store refusing writes"
@@ -123,6 +128,68 @@ def running(deployment: PgDeployment) -> Iterator[Run]:
     finally:
         traffic.stop.set()
         client.close()
+
+
+@dataclass
+class Failover:
+    """A ``Run`` whose worker reaches its primary through ``proxy`` (the address that moves
+    in a failover), with a streaming ``standby`` of ``primary`` beside it."""
+
+    run: Run
+    primary: PostgresServer
+    standby: PostgresServer
+    proxy: Proxy
+
+
+@contextmanager
+def failover_deployment(
+    settings: dict[str, object],
+    *,
+    standby_slot: str | None = None,
+    traffic: Callable[[CheckpointClient], Traffic] = Traffic,
+) -> Iterator[Failover]:
+    """A private broker, primary, proxy, standby and worker (``settings`` beside the tests'
+    quick retries), stopped and removed at the end whatever happened. With
+    ``standby_slot`` the standby streams through that replication slot and is made before
+    the worker starts (a lagging standby's tests), else after it (so it copies the schema
+    the worker made)."""
+    broker = RedisServer().start()
+    primary = PostgresServer().start()
+    proxy = Proxy(primary.port)
+    standby: PostgresServer | None = None
+    worker: CeleryProcess | None = None
+    run: Run | None = None
+    try:
+        if standby_slot is not None:
+            standby = PostgresServer(standby_of=primary, slot=standby_slot).start()
+        values = {
+            **TEST_WORKER_SETTINGS,
+            **RETRIES,
+            "broker_url": broker.url,
+            "store_url": proxy.url(),
+            "pg_schema": "failover",
+            **settings,
+        }
+        worker = CeleryProcess("worker", checkpointq_env(**values)).start()
+        deployment = PgDeployment(broker, primary, worker, Settings(**values))  # type: ignore[arg-type]
+        if standby is None:
+            standby = PostgresServer(standby_of=primary).start()
+        client = deployment.checkpoint_client()
+        assert worker.process is not None
+        run = Run(deployment, client, traffic(client), worker.process.pid, len(worker.log()))
+        yield Failover(run, primary, standby, proxy)
+    finally:
+        if run is not None:
+            run.traffic.stop.set()
+            run.client.close()
+        if worker is not None:
+            code = worker.stop()
+            print(f"--- worker log (exit {code}) ---\n{worker.log()}")
+        proxy.close()
+        for server in (standby, primary):
+            if server is not None:
+                server.cleanup()
+        broker.cleanup()
 
 
 def settle(run: Run, timeout: float = 60.0) -> list[Request]:
