@@ -470,7 +470,11 @@ inline push_mark(p, i) {
   mark++; r_mk[i] = mark;
   hfk = (epoch != 0 && epoch == hse && FORKED(hsm, htk));
   RING_WRITE(mark);
+#ifdef MARK_WITHOUT_TOKEN
+  printf("t%d   mark %d\n", now, mark);
+#else
   printf("t%d   mark %d, token %d\n", now, mark, TOKEN_AT(mark));
+#endif
   if
   :: epoch == 0 -> ntok++; epoch = ntok
   :: epoch != 0 && epoch == hse && (mark <= hsm || hfk) -> ntok++; epoch = ntok
