@@ -13,6 +13,10 @@ with it (the documented limit: run the broker with persistence) and exempt from 
 (d) One producer's fault never hurts another: a healthy producer's publish is never
     refused, none of its requests is dead-lettered or reported refused, and "expired" is
     reported only past the request's deadline.
+(e) A loss is detected: a load that misses one of its own producer's requests, lost when
+    the broker lost its data or went back in time (a rewind), is made by a producer that
+    has counted a loss since (``epoch_changes``), even when other producers, unaware of
+    the lost publishes, published since (tests/model/README.md, finding 7).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from checkpointq.store.base import Fence
-from tests.history.world import HEALTHY, SESSIONS, History, Request
+from tests.history.world import HEALTHY, SESSIONS, History, Read, Request
 
 #: Rounding between the producers' microseconds and Redis's milliseconds.
 TOLERANCE_US = 50_000
@@ -79,6 +83,30 @@ class _Checker:
             yield from self.judge(
                 what, read.fence, read.version, newest, read.start_us, read.end_us
             )
+            yield from self.detected(what, read)
+
+    def detected(self, what: str, read: Read) -> Iterator[str]:
+        """(e): each of the reader's own requests of the session whose pending entry a loss of
+        the broker's data took (before it was applied) before the read began, answered by
+        nothing as new and not yet past its deadline, is missed by a producer that counted
+        a loss since."""
+        for loss in self.history.losses:
+            if loss.counted is None or loss.at_us > read.start_us:
+                continue
+            if read.counted > loss.counted.get(read.producer, 0):
+                continue
+            for request_id in loss.taken & loss.lost:
+                request = self.requests[request_id]
+                if (
+                    request.producer == read.producer
+                    and request.session == read.session
+                    and (read.fence is None or read.fence.key < request.key)
+                    and read.start_us < request.deadline_us - TOLERANCE_US
+                ):
+                    yield (
+                        f"(e) {what} misses its own {_name(request)}, lost with the broker's "
+                        f"data, and {read.producer} counted no loss"
+                    )
 
     def judge(
         self,

@@ -5,7 +5,8 @@ shrinking: explore.py).
 In the suite it explores for ``CHECKPOINTQ_HISTORY_SECONDS`` (90 s by default; ``python -m
 tests.history`` is the long mode, an hour by default), replays every history kept in
 regressions/, and shows that the search finds hole 2 of issue 31 once its fix is reverted
-(``variants/settle_by_seq.lua``: settling by seq alone, the rule before issue 31).
+(``variants/settle_by_seq.lua``: settling by seq alone, the rule before issue 31), and that
+a kept history breaks (e) with clients that drop the mark's token (finding 7).
 
 The same search and the same kept histories run again in worlds whose store is PostgreSQL
 (``PostgresStore`` beside the Redis broker, issue 32; with a streaming standby, a row another
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from checkpointq.tasks.producer import pending
 from tests.history.explore import REGRESSIONS, explore, keep, replay
 from tests.history.world import Servers, servers
 from tests.support.postgres import require_postgres
@@ -124,6 +126,37 @@ def test_every_kept_history_of_a_broken_variant_still_breaks_it(
     assert replay(path, _world_servers(request, postgres), postgres=postgres), (
         f"{path.name} no longer shows its variant's violation"
     )
+
+
+#: Finding 7 (tests/model/README.md): c's delete is lost in a rewind, and a's save, unaware of
+#: the lost mark, brings the pending mark back to the one c saw.
+UNAWARE = REGRESSIONS / "e-unaware-publishes-cover-a-rewind.json"
+
+
+def test_a_rewind_covered_by_unaware_publishes_goes_unnoticed_without_the_marks_token(
+    running: Servers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given clients that drop the mark's token (as before finding 7's fix, or a client from
+    # before it): no token sent with a publish or a load, so the mark alone judges
+    observe = pending.EpochWatch.observe
+
+    def without_token(
+        self: pending.EpochWatch,
+        epoch: bytes | None,
+        mark: int | None = None,
+        *,
+        below: int = 0,
+        found: bool = False,
+        token: str = "",
+        forked: pending.Seen | None = None,
+    ) -> bool:
+        return observe(self, epoch, mark, below=below, found=found)
+
+    monkeypatch.setattr(pending.EpochWatch, "observe", without_token)
+    # When the kept history runs again (it holds with the token: test_every_kept_history_holds)
+    violations = replay(UNAWARE, running)
+    # Then c's load misses its own delete without counting a loss: (e)
+    assert violations and violations[0].startswith("(e) load by c of s1 misses its own delete")
 
 
 def test_the_search_finds_hole_2_when_its_fix_is_reverted(running: Servers) -> None:

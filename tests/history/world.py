@@ -159,6 +159,8 @@ class Read:
     fence: Fence | None
     version: int | None
     error: str | None = None
+    #: The losses its producer had counted once it answered (``epoch_changes``).
+    counted: int = 0
 
 
 @dataclass
@@ -183,6 +185,11 @@ class Loss:
 
     at_us: int
     lost: set[str]
+    #: A loss of the broker's data (all of it, or a suffix: a rewind), which producers must
+    #: detect (invariant (e)): the losses each producer had counted by then, and the
+    #: requests whose pending entry it took. None for a purge, which no epoch or mark shows.
+    counted: dict[str, int] | None = None
+    taken: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -483,7 +490,9 @@ class World:
             return False  # its record dropped (``_drop``): it refuses, and says why
         end = self.clock.now_us()
         version = None if checkpoint is None else checkpoint.version
-        self.history.reads.append(Read(name, sid, start, end, fence, version))
+        self.history.reads.append(
+            Read(name, sid, start, end, fence, version, counted=client.epoch_changes)
+        )
         return True
 
     def _save(self, producer: int, session: int, staged: int = 1, loaded: int = 1) -> None:
@@ -796,9 +805,21 @@ class World:
             fence = self.store.fence(request.session)
             if fence is None or fence.key < request.key:
                 lost.add(request.request_id)
-        self.history.losses.append(Loss(now, lost))
+        self.history.losses.append(Loss(now, lost, self._counted(), self._entries()))
         self.broker.flushall()
         self.broker.script_flush()
+
+    def _counted(self) -> dict[str, int]:
+        """The losses each producer has counted so far (``epoch_changes``)."""
+        return {name: client.epoch_changes for name, client in self.clients.items()}
+
+    def _entries(self) -> set[str]:
+        """The accepted requests whose pending entry is on the broker now."""
+        with self.broker.pipeline(transaction=False) as pipe:
+            for request in self.handles:
+                pipe.hexists(self.keys.pending_requests(request.session), request.request_id)
+            held = pipe.execute()
+        return {r.request_id for r, on in zip(self.handles, held, strict=True) if on}
 
     def _lost_now(self) -> set[str]:
         """The requests not applied yet: what a loss of the broker's data takes."""
@@ -843,7 +864,9 @@ class World:
         again (issue 44)."""
         if self.one_redis or self.postgres or self.snapshot is None:
             return
-        self.history.losses.append(Loss(self.clock.now_us(), self._lost_now()))
+        loss = Loss(self.clock.now_us(), self._lost_now(), self._counted())
+        before = self._entries()
+        self.history.losses.append(loss)
         self.broker.flushall()
         now_ms = self.clock.now_us() // 1000
         for key, (dumped, expires) in self.snapshot[1].items():
@@ -851,6 +874,7 @@ class World:
                 self.broker.restore(key, 0, dumped, replace=True)
             elif expires > now_ms:
                 self.broker.restore(key, expires, dumped, replace=True, absttl=True)
+        loss.taken = before - self._entries()
 
     # -- the end --------------------------------------------------------------------------
 

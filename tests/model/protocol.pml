@@ -23,6 +23,8 @@
  *   NO_RECORD_COUNTS         loads do not compare a session's entries with its count
  *   SWEEP_QUEUE_ONLY         the sweep takes a message in unacked for gone
  *   NO_MARK                  producers compare epochs only, not marks (before issue 44)
+ *   MARK_WITHOUT_TOKEN       producers compare marks only, not their tokens (before the
+ *                            ring of tokens: finding 7)
  *   SETTLE_ANY_MISSING       a settle whose entry is missing counts one less whenever the
  *                            count expects a missing entry, whoever's (before the counted
  *                            requests: finding 6)
@@ -36,7 +38,7 @@
  *   DETECT                   producers detect (and count) a loss, without a window
  *   RECORD_LOSS              one pending entry lost without its message (counts, refusal)
  *   PURGE                    one purge of the queue; the sweep settles orphans as lost
- * Scope knobs: NREQ and the cast Q_OK, Q_AHEAD, Q_SLOW, Q_FAST, Q_EVIL; OK_STAGED_ONLY,
+ * Scope knobs: NREQ and the cast Q_OK, Q_AHEAD, Q_SLOW, Q_FAST, Q_EVIL, Q_OTHER; OK_STAGED_ONLY,
  * OK_TWO_SESSIONS, TTL, TMAX, NW, LOSSES, CRASHES (README.md, "Scope"). Explorations beyond
  * the spec: HIJACK_SAME_SESSION, STRICT_FENCE (README.md, "Findings").
  *
@@ -57,6 +59,9 @@
 
 #ifdef WINDOW
 #define DETECT
+#endif
+#ifdef NO_MARK
+#define MARK_WITHOUT_TOKEN  /* before issue 44: no mark, so no token either */
 #endif
 #ifdef NO_RECORD_COUNTS
 #define RECORD_LOSS
@@ -81,7 +86,14 @@
 #define LOSSES 1        /* losses of the broker's data */
 #endif
 #define NS 2            /* sessions 1 .. NS */
+#ifndef Q_OTHER
+#define Q_OTHER 0
+#endif
+#if Q_OTHER > 0
+#define NP 6            /* producers (replicas): P_OTHER too */
+#else
 #define NP 5            /* producers (replicas) */
+#endif
 #define K 4             /* seq units per tick */
 #ifndef TTL
 #define TTL 3           /* session lifetime, ticks */
@@ -106,6 +118,7 @@
 #define P_SLOW 2        /* clock behind by TTL: its blind stamps are already lapsed */
 #define P_EVIL 3        /* clock ahead within L/2; sends bad input, reuses others' ids */
 #define P_AHEAD 4       /* clock ahead within L/2, a correct replica otherwise */
+#define P_OTHER 5       /* a correct replica on another session (unaware of P_OK's marks) */
 #define FAST_FAULT(p) (skew[p] > L / 2)      /* its clock is ahead beyond the limit */
 #define SLOW_FAULT(p) (skew[p] <= -TTL)      /* its clock is a TTL behind or more */
 
@@ -172,12 +185,24 @@ byte crashes;
 byte mark, epoch, ntok;
 byte r_mk[NSL];         /* the mark of the request's latest publish */
 byte r_at[NSL];         /* the tick of its publish: its age in the recovery window */
+/* publish.lua's ring of the marks' tokens (the pending mark's fields 't<mark mod 65536>'):
+ * rt[m], the token of mark m's publish, 0 when its slot holds no mark m (never written, or
+ * its write undone with the broker's data; marks here never wrap). Each publish's token is
+ * fresh and random; all that is ever compared is two tokens of one mark, and a slot is
+ * written once between two losses of the broker's data (the mark only grows between them),
+ * so the token is the era of its write: TOKEN, one more than the losses so far. */
+#define MMAX (2 * NREQ + 2)
+#define TOKEN (losses + 1)
+byte rt[MMAX];
 /* producers (EpochWatch / epochs): the epoch seen (0 none, LOSTE after a loss), the highest
- * mark seen in it, a mark seen before the broker went back below it and not yet reported;
- * whether it counted a loss */
+ * mark seen in it and its token, a mark seen before the broker went back below it (or gave
+ * it again) and not yet reported, and its token; whether it counted a loss */
 #define LOSTE 255
-byte pe[NP], pm[NP], pu[NP];
+byte pe[NP], pm[NP], pu[NP], ptk[NP], putk[NP];
 bit lc[NP];
+#endif
+#ifdef LAST_LOAD
+bit lastload;           /* P_OK made its last call, a load (finding 7's aware client) */
 #endif
 #ifdef WINDOW
 bit wst[NW];            /* the worker holds a delivery from before its request's latest
@@ -231,7 +256,7 @@ hidden byte hq, hw, hm, hs, ht, hc;
 hidden byte hv;
 hidden short hk, hseq, hcp;
 hidden byte hok, hquiet;
-hidden byte hd, hse, hsm, hb, hr, hn;
+hidden byte hd, hse, hsm, hb, hr, hn, htk, hfk;
 /* one per assertion, so that a violation names its invariant */
 hidden byte a_value_ok, a_no_lost_write, b_deletes_stick, d_publish_refusal, d_worker_refusal, d_applied_true, d_refused_true, c_final_state;
 hidden byte e_detected, d_lost_true;
@@ -389,44 +414,73 @@ inline check_load(s, ak, ac, at, mask, cmask, xmask, who) {
 #else
 #define NO_MARK_CHECK false
 #endif
+#ifdef MARK_WITHOUT_TOKEN
+/* before the ring (finding 7): no token is written, sent or compared; the mark alone judges */
+#define RING_WRITE(m) skip
+#define TOKEN_AT(m) 0
+#define FORKED(m, t) false
+#else
+#define RING_WRITE(m) rt[m] = TOKEN
+#define TOKEN_AT(m) rt[m]
+/* the ring's slot of mark m holds m with another token than t (t = 0: unknown, tells
+ * nothing; a slot without m tells nothing either) */
+#define FORKED(m, t) ((t) != 0 && rt[m] != 0 && rt[m] != (t))
+#endif
 #ifdef DETECT
-/* EpochWatch.observe: one reply's epoch e and mark m (below: a mark under it shows the
- * broker went back in time). hd: the reply shows a loss not counted before. */
-inline observe(p, e, m, below) {
+/* EpochWatch.observe: one reply's epoch e, mark m (below: a mark under it shows the broker
+ * went back in time) and m's token tk; fk: the reply says the broker holds the mark this
+ * producer saw (pm) with another token (read_pending.lua's forked: a load's reply only).
+ * hd: the reply shows a loss not counted before. */
+inline observe(p, e, m, below, tk, fk) {
   hd = 0;
   if
   :: pe[p] == 0 || pe[p] == LOSTE ->
-     if :: e != 0 -> pe[p] = e; pm[p] = m :: else fi
+     if :: e != 0 -> pe[p] = e; pm[p] = m; ptk[p] = tk :: else fi
   :: else ->
      if
      :: e == pe[p] ->
         if
-        :: m >= below || NO_MARK_CHECK -> if :: m > pm[p] -> pm[p] = m :: else fi
-        :: else -> if :: pm[p] > pu[p] -> pu[p] = pm[p] :: else fi; pm[p] = m; hd = 1
+        :: !(fk) && (m >= below || NO_MARK_CHECK) ->
+           if :: m > pm[p] || (m == pm[p] && ptk[p] == 0) -> pm[p] = m; ptk[p] = tk :: else fi
+        :: (fk) && pu[p] != 0 -> skip     /* found already, not reported yet */
+        :: else ->
+           /* below the mark seen, or that mark with another token: lost (pm and its
+            * token: the mark a load sent is the one seen) */
+           if :: pm[p] > pu[p] -> pu[p] = pm[p]; putk[p] = ptk[p] :: else fi;
+           pm[p] = m; ptk[p] = tk; hd = 1
         fi
      :: else ->
         /* turned by the report of a loss this producer found: counted already */
         hd = (pu[p] == 0);
-        pe[p] = ((e == 0) -> LOSTE : e); pm[p] = m; pu[p] = 0
+        pe[p] = ((e == 0) -> LOSTE : e); pm[p] = m; ptk[p] = tk; pu[p] = 0; putk[p] = 0
      fi
   fi;
   if :: hd -> lc[p] = 1; printf("t%d P%d finds the broker lost accepted requests\n", now, p) :: else fi
 }
 
 /* publish.lua's mark and epoch for an accepted push of request i by p, and the reply: the
- * producer sends the epoch and the highest mark it saw; a mark now at or below it means
- * the broker went back in time, and the epoch turns (for every client to see). */
+ * producer sends the epoch and the mark it saw with its token (the one it found lost and
+ * did not report yet, else the highest); a mark now at or below it, or its slot holding it
+ * with another token (read before this publish writes its own slot), means the broker went
+ * back in time, and the epoch turns (for every client to see). */
 inline push_mark(p, i) {
   hse = ((pe[p] == LOSTE) -> 0 : pe[p]);
-  hsm = ((pu[p] > pm[p]) -> pu[p] : pm[p]);
+  if :: pu[p] != 0 -> hsm = pu[p]; htk = putk[p] :: else -> hsm = pm[p]; htk = ptk[p] fi;
   hb = pm[p] + 1;
   mark++; r_mk[i] = mark;
+  hfk = (epoch != 0 && epoch == hse && FORKED(hsm, htk));
+  RING_WRITE(mark);
+#ifdef MARK_WITHOUT_TOKEN
+  printf("t%d   mark %d\n", now, mark);
+#else
+  printf("t%d   mark %d, token %d\n", now, mark, TOKEN_AT(mark));
+#endif
   if
   :: epoch == 0 -> ntok++; epoch = ntok
-  :: epoch != 0 && epoch == hse && mark <= hsm -> ntok++; epoch = ntok
+  :: epoch != 0 && epoch == hse && (mark <= hsm || hfk) -> ntok++; epoch = ntok
   :: else
   fi;
-  observe(p, epoch, mark, hb)
+  observe(p, epoch, mark, hb, TOKEN_AT(mark), false)
 }
 #endif
 
@@ -505,7 +559,9 @@ inline say(i) {
  *   P_FAST  session 1: a blind save; clock ahead beyond the limit (refused at publish)
  *   P_EVIL  session 2: a blind save under the request id of an accepted request of session 1
  *           (read from its pending record), staged or with a bad input (HIJACK_SAME_SESSION:
- *           on session 1 too); clock ahead within the limit */
+ *           on session 1 too); clock ahead within the limit
+ *   P_OTHER session 2: a blind save; a correct replica that reads nothing of session 1, so
+ *           it sees only its own publishes' marks (finding 7: the unaware producer) */
 #ifndef Q_OK
 #define Q_OK 2
 #endif
@@ -521,11 +577,11 @@ inline say(i) {
 #ifndef Q_EVIL
 #define Q_EVIL 0
 #endif
-#if NREQ != Q_OK + Q_AHEAD + Q_SLOW + Q_FAST + Q_EVIL
-#error "NREQ must be Q_OK + Q_AHEAD + Q_SLOW + Q_FAST + Q_EVIL"
+#if NREQ != Q_OK + Q_AHEAD + Q_SLOW + Q_FAST + Q_EVIL + Q_OTHER
+#error "NREQ must be Q_OK + Q_AHEAD + Q_SLOW + Q_FAST + Q_EVIL + Q_OTHER"
 #endif
 #define QUOTA(p) ((p == P_OK) -> Q_OK : ((p == P_AHEAD) -> Q_AHEAD : ((p == P_SLOW) -> Q_SLOW : \
-                  ((p == P_FAST) -> Q_FAST : Q_EVIL))))
+                  ((p == P_FAST) -> Q_FAST : ((p == P_EVIL) -> Q_EVIL : Q_OTHER)))))
 #define VICTIM(j, s) ((j) < NREQ && st[j] == ACCEPTED && r_p[j] != P_EVIL && (r_s[j] != s || HIJACK_SAME))
 #define ANY_VICTIM(s) (VICTIM(1, s) || VICTIM(2, s) || VICTIM(3, s) || VICTIM(4, s))
 #ifdef HIJACK_SAME_SESSION
@@ -552,6 +608,7 @@ inline choose_request(p, i) {
      if :: r_op[i] = SAVE :: r_op[i] = SAVE; r_stg[i] = 1 :: r_op[i] = DEL fi
 #endif
   :: p == P_FAST -> r_s[i] = 1; r_op[i] = SAVE
+  :: p == P_OTHER -> r_s[i] = 2; r_op[i] = SAVE
   :: p == P_SLOW || p == P_AHEAD -> r_s[i] = 1; if :: r_op[i] = SAVE :: r_op[i] = DEL fi
   :: p == P_EVIL ->
 #ifdef HIJACK_SAME_SESSION
@@ -660,7 +717,8 @@ end_producer:
             broker_read(s, bk, bc);
 #ifdef DETECT
             /* the read's epoch and mark; a loss found: recover, then read again */
-            hb = pm[p]; observe(p, epoch, mark, hb);
+            hb = pm[p];
+            observe(p, epoch, mark, hb, TOKEN_AT(mark), FORKED(pm[p], ptk[p]));
 #ifdef WINDOW
             if :: hd -> recover(p); broker_read(s, bk, bc) :: else fi;
 #endif
@@ -705,6 +763,37 @@ end_producer:
        bk = 0; bc = 0; sk = 0; sc = 0; t0 = 0; mask = 0; cmask = 0; xmask = 0; ph = 2
      }
   :: d_step { ph == 2; publish(p, i); ph = 0 }     /* the write made from that load */
+#ifdef LAST_LOAD
+  :: d_step {
+       /* P_OK's next call once its requests are made: a load of session 1, in one script
+        * (load_pending.lua on one Redis); a loss it finds: recover, then read again.
+        * Finding 7's aware client, calling after the loss and the unaware publishes. */
+       ph == 0 && p == P_OK && !MAY_REQUEST(p) && !lastload;
+       lastload = 1;
+       broker_read(1, bk, bc);
+#ifdef DETECT
+       hb = pm[p];
+       observe(p, epoch, mark, hb, TOKEN_AT(mark), FORKED(pm[p], ptk[p]));
+#ifdef WINDOW
+       if :: hd -> recover(p); broker_read(1, bk, bc) :: else fi;
+#endif
+#endif
+       store_read(1, sk, sc);
+       mask = 0; cmask = 0;
+       for (hq : 1 .. NREQ) {
+         if :: st[hq] == ACCEPTED -> mask = mask | (1 << hq) :: else fi;
+         if :: COUNTS(hq) || SERVABLE(hq) -> cmask = cmask | (1 << hq) :: else fi
+       }
+       if
+       :: bk == -1 -> printf("t%d P%d load s1 -> refused: a record is missing\n", now, p)
+       :: else ->
+          MERGE(bk, bc, sk, sc, now, now, hk, hc, ht);
+          printf("t%d P%d load s1 -> seq %d req %d value #%d\n", now, p, SEQ_OF(hk), REQ_OF(hk), hc);
+          check_load(1, hk, hc, ht, mask, cmask, 0, p)
+       fi;
+       bk = 0; bc = 0; sk = 0; sc = 0; mask = 0; cmask = 0
+     }
+#endif
   od
   /* no `break`: a producer with nothing left to do blocks at the top of its loop (a valid
    * end state), rather than doubling the states with "ended or not yet" */
@@ -982,6 +1071,7 @@ inline lose_last() {
     :: else
     fi
   }
+  rt[mark] = 0;     /* its slot's write undone with it */
   mark--;
   if :: mark == 0 -> epoch = 0 :: else fi;
   hq = 0
@@ -1024,6 +1114,7 @@ end_broker:
        }
 #ifdef DETECT
        mark = 0; epoch = 0;
+       for (hq : 0 .. MMAX - 1) { rt[hq] = 0 }
 #endif
 #ifdef RECORD_LOSS
        for (hq : 1 .. NS) { cnt[hq] = 0; idx[hq] = 0 }
@@ -1273,6 +1364,9 @@ init {
     if :: Q_SLOW > 0 -> run producer(P_SLOW) :: else fi;
     if :: Q_FAST > 0 -> run producer(P_FAST) :: else fi;
     if :: Q_EVIL > 0 -> run producer(P_EVIL) :: else fi;
+#if Q_OTHER > 0
+    skew[P_OTHER] = 0; run producer(P_OTHER);
+#endif
     for (w : 0 .. NW - 1) { run worker(w) }
   }
 }

@@ -26,6 +26,7 @@ CORRECT = [
     "correct-clocks",
     "correct-record-loss",
     "correct-purge",
+    "correct-unaware",
 ]
 VARIANTS = [
     "settle-by-seq",
@@ -40,6 +41,7 @@ VARIANTS = [
     "sweep-queue-only",
     "settle-counts-any-missing",
     "settle-any-delivery",
+    "mark-without-token",
 ]
 
 
