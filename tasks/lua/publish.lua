@@ -148,7 +148,7 @@ for i = 1, records do
     if not due or due <= now_ms then
       redis.call('HDEL', KEYS[5], ARGV[a]) -- a count left by entries that expired
       redis.call('DEL', counted)
-      fresh = true -- the HSET below creates it again, without an expiry
+      fresh = true -- both keys gone: the HSETs below create them, without an expiry
     end
   end
   -- Counted once: a request counted already (its entry lost, now published again) is not
