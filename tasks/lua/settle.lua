@@ -96,7 +96,7 @@ for i = 1, settled do
     end
   end
   if spent then
-    redis.call('HINCRBY', KEYS[2], id, -1)
+    redis.call('HINCRBY', KEYS[2], id, '-1')
   end
   local old = redis.call('HMGET', legacy, 'req', 'seq', 'op')
   if old[1] == req then
@@ -122,5 +122,5 @@ for i = 1, settled do
 end
 local now = redis.call('TIME')
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf',
-  '(' .. (tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)))
+  string.format('(%d', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)))
 return removed

@@ -103,8 +103,8 @@ local mark = redis.call('HGET', KEYS[4], 'n')
 -- The token of a mark, from the ring in the pending mark (publish.lua): false when its slot
 -- holds another mark (overwritten 65536 publishes later, or never written).
 local function token(of)
-  local at, held = string.match(redis.call('HGET', KEYS[4], 't' .. (tonumber(of) % 65536))
-    or '', '^(%d+):(.+)$')
+  local at, held = string.match(redis.call('HGET', KEYS[4],
+    string.format('t%d', tonumber(of) % 65536)) or '', '^(%d+):(.+)$')
   return at == of and held
 end
 
