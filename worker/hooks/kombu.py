@@ -516,6 +516,16 @@ def forget_locally(channel: Any, tag: Any) -> None:
         quick_ack(tag)
 
 
+def ack_pool(channel: Any) -> Any | None:
+    """The connection pool ``channel``'s own clients take their connections from (what
+    ``QoS.pipe_or_acquire`` acknowledges through), when commands may be hand-sent on it
+    (``redis_hooks.transaction``): not with a global key prefix (kombu's client rewrites
+    the key names itself), nor where redis-py's hand-sent path is not proven."""
+    if getattr(channel, "global_keyprefix", None) or redis_hooks.refusal() is not None:
+        return None
+    return getattr(channel, "pool", None)
+
+
 def detached(channel: Any) -> bool:
     """Whether ``channel``'s connection was closed under it: closing a kombu ``Connection``
     sets its transport's ``client`` to None (``pyamqp``'s connection's too), after which a
