@@ -122,6 +122,56 @@ def _pipelined(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
     return replies
 
 
+def transaction(pool: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """``commands`` between MULTI and EXEC, sent in one write down one connection of
+    ``pool``: what redis-py's ``pipeline(transaction=True).execute(raise_on_error=False)``
+    returns (EXEC's replies, a command's error as its exception in its place) and raises
+    (a command the broker refused to queue, OOM say, as that error; connection errors
+    retried by the connection's retry policy, which sends the whole transaction again),
+    without making a client and a pipeline for it (``worker/coalesce.py``'s grouped ack).
+    Call it only where ``refusal()`` is None."""
+    conn: Any = pool.get_connection("MULTI") if TAKES_COMMAND_NAME else pool.get_connection()
+    wrapped = [("MULTI",), *commands, ("EXEC",)]
+
+    def send() -> tuple[Any, list[redis_errors.ResponseError]]:
+        conn.send_packed_command([packed(conn, wrapped)])
+        refused: list[redis_errors.ResponseError] = []
+        for number, command in enumerate(wrapped[:-1]):  # MULTI's OK, then each QUEUED
+            try:
+                conn.read_response()
+            except redis_errors.ResponseError as exc:
+                refused.append(_annotated(exc, number, command))
+        try:
+            return conn.read_response(), refused
+        except redis_errors.ExecAbortError as exc:
+            return exc, refused
+
+    try:
+        reply, refused = conn.retry.call_with_retry(send, lambda _error: conn.disconnect())
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+    if refused:  # EXEC was aborted: as redis-py, the first refusal is the error
+        raise refused[0]
+    if isinstance(reply, Exception):
+        raise reply
+    if not isinstance(reply, list) or len(reply) != len(commands):
+        raise redis_errors.ResponseError("Wrong number of responses from the transaction")
+    return reply
+
+
+def _annotated(exc: redis_errors.ResponseError, number: int, command: tuple[Any, ...]) -> Any:
+    """``exc`` as redis-py's pipeline words a command's error: "Command # <n> (<command>) of
+    pipeline caused error: <its text>"."""
+    text = " ".join(a.decode(errors="replace") if isinstance(a, bytes) else str(a) for a in command)
+    text = text if len(text) <= 100 else text[:97] + "..."
+    message = f"Command # {number} ({text}) of pipeline caused error: {exc.args[0]}"
+    exc.args = (message, *exc.args[1:])
+    return exc
+
+
 @cache
 def _announce_pipeline(why: str) -> None:
     logger.warning(

@@ -33,7 +33,7 @@ from kombu.exceptions import ContentDisallowed, DecodeError
 from redis import exceptions as redis_errors
 from redis.exceptions import NoScriptError
 
-from checkpointq.store import probe
+from checkpointq.store import probe, redis_hooks
 from checkpointq.store.keys import KeySpace
 from checkpointq.tasks import messages, runtime
 from checkpointq.tasks.coalesced import Settled, apply_requests
@@ -269,14 +269,17 @@ class Coalescer:
             return
         tags = [p.message.delivery_tag for p in applied]
         keys, args = pending_records.settle_command(self.keys, settled)
+        # What ``QoS._remove_from_indices`` does for one tag (the pinned-kombu test covers
+        # it), for every tag at once, in a transaction as kombu's; settle.lua rides the same
+        # round trip.
+        commands: list[tuple[Any, ...]] = [
+            ("ZREM", qos.unacked_index_key, *tags),
+            ("HDEL", qos.unacked_key, *tags),
+        ]
+        if settled:
+            commands.append(("EVALSHA", _SETTLE_SHA, len(keys), *keys, *args))
         try:
-            with qos.pipe_or_acquire() as pipe:
-                # What ``QoS._remove_from_indices`` does for one tag (the pinned-kombu test
-                # covers it), for every tag at once; settle.lua rides the same round trip.
-                pipe.zrem(qos.unacked_index_key, *tags).hdel(qos.unacked_key, *tags)
-                if settled:
-                    pipe.evalsha(_SETTLE_SHA, len(keys), *keys, *args)
-                replies = pipe.execute(raise_on_error=False)
+            replies = _transaction(qos, channel, commands)
             # A refused write comes back as a reply (raise_on_error=False): the acks' own
             # replies decide, as settle.lua's failure alone must not hold the messages.
             refused_ack = next((r for r in replies[:2] if isinstance(r, Exception)), None)
@@ -323,6 +326,22 @@ class Coalescer:
             (reply,) = pipe.execute(raise_on_error=False)
         if isinstance(reply, Exception):
             logger.warning("could not settle %d pending records: %s", len(keys) - 1, reply)
+
+
+def _transaction(qos: Any, channel: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """``commands`` in one MULTI/EXEC on the broker, as kombu's ``QoS.pipe_or_acquire``
+    pipeline sends them: hand-sent down a connection of the channel's pool where that is
+    proven (a client and a pipeline made per group cost the main process more than the
+    round trip itself), else through that pipeline. Replies and errors are the pipeline's
+    (``execute(raise_on_error=False)``)."""
+    pool = kombu_hooks.ack_pool(channel)
+    if pool is not None:
+        return redis_hooks.transaction(pool, commands)
+    with qos.pipe_or_acquire() as pipe:
+        for command in commands:
+            pipe.execute_command(*command)
+        replies: list[Any] = pipe.execute(raise_on_error=False)
+        return replies
 
 
 def _error_of(error: Any) -> Any:

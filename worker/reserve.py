@@ -129,6 +129,8 @@ class Reading:
     waking: bool = False
     #: Woken: let requests gather for the linger (``linger_command``) before reserving.
     linger: bool = False
+    #: The pending script call was sent right behind a linger, whose reply comes first.
+    lingered: bool = False
     #: When the last wait woke (``time.monotonic``): see ``LINGER_HORIZON``.
     woke_at: float = float("-inf")
 

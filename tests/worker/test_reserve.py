@@ -237,8 +237,9 @@ def test_a_consumer_woken_again_lets_requests_gather_for_its_linger_and_reserves
     redis_server: RedisServer,
     script_calls: list[int],
 ) -> None:
-    # Given a consumer with a linger, waiting on an empty queue
-    conn, channel, received = _consume(redis_server.url, prefetch=8, wake_linger_ms=50)
+    # Given a consumer with a linger (long enough for the publishes below to land in it on
+    # a loaded machine: the script runs when it ends), waiting on an empty queue
+    conn, channel, received = _consume(redis_server.url, prefetch=8, wake_linger_ms=1000)
     try:
         Queue(QUEUE, channel=conn.default_channel).declare()
         with pytest.raises(TimeoutError):
@@ -253,23 +254,26 @@ def test_a_consumer_woken_again_lets_requests_gather_for_its_linger_and_reserves
         with pytest.raises(TimeoutError):
             conn.drain_events(timeout=0.2)
         assert not reading.busy and reading.waiting  # waiting again
-        # And when the next arrives, the consumer wakes and lingers (nothing reserved yet)
+        # And when the next arrives, the consumer wakes and lingers: the script call is
+        # sent behind the linger, in one write, and runs once it is over (nothing reserved
+        # yet)
         script_calls.clear()
         _publish(redis_server.url, 1)
 
         def lingering() -> bool:
             with contextlib.suppress(TimeoutError):
                 conn.drain_events(timeout=0.05)
-            return reading.busy and reading.waiting
+            return reading.pending is not None and reading.lingered
 
         wait_until(lingering, timeout=10)
-        assert len(received) == 1 and script_calls == [] and broker.llen(QUEUE) == 1
+        assert len(received) == 1 and script_calls == [7] and broker.llen(QUEUE) == 1
         # and more arrive meanwhile
         _publish(redis_server.url, 4)
-        # Then one script call reserves them all once the linger is over, nothing lost
+        # Then that one script call reserves them all once the linger is over, nothing lost
         wait_until(lambda: conn.drain_events(timeout=1) or len(received) == 6, timeout=10)
         assert script_calls == [7] and _brpops(broker) == 0
         assert command_calls(broker, "xread") == 1  # the one linger
+        assert not reading.lingered
         assert [m.payload["n"] for m in received] == [0, 0, 0, 1, 2, 3]
     finally:
         conn.close()

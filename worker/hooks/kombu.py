@@ -235,15 +235,12 @@ def _brpop_start(self: Any, timeout: Any = None) -> None:
         # kombu 5.5 defaults to a 1 s BRPOP, 5.6 on to the channel's brpop_timeout
         _KOMBU_BRPOP_START(self) if timeout is None else _KOMBU_BRPOP_START(self, timeout)
         return
+    lingering: list[Any] | None = None
     if reading.linger:
         reading.linger = False
         linger = reserve.wake_linger_ms(self)
         if linger > 0:  # woken: the requests arriving meanwhile share this reserve
-            reading.waiting = True
-            self._in_poll = self.client.connection
-            self._brpop_sent_at = monotonic()
-            self.client.connection.send_command(*reserve.linger_command(linger))
-            return
+            lingering = reserve.linger_command(linger)
     queues = self._queue_cycle.consume(len(self.active_queues))
     if not queues:
         return
@@ -261,7 +258,7 @@ def _brpop_start(self: Any, timeout: Any = None) -> None:
         reading.waiting = True
         self._in_poll = self.client.connection
         self._brpop_sent_at = monotonic()
-        self.client.connection.send_command(*command)
+        _send(self.client.connection, command)
         return
     room = self.qos.can_consume_max_estimate()
     budget = reserve.BYTE_BUDGET if byte_room is None else min(reserve.BYTE_BUDGET, byte_room)
@@ -273,9 +270,24 @@ def _brpop_start(self: Any, timeout: Any = None) -> None:
     # reply never be (worker/lost_settles.py).
     lost_settles.lost.reserving(sent.score)
     # As kombu's BRPOP: sent on the polled connection, read by _guarded_brpop_read.
-    self._in_poll = self.client.connection
+    connection = self.client.connection
+    self._in_poll = connection
     self._brpop_sent_at = monotonic()
-    self.client.connection.send_command(*command)
+    if lingering is None:
+        _send(connection, command)
+        return
+    # The linger and the script in one write: the broker runs the script once the linger's
+    # sleep is over (a connection's commands run in order), and both replies come back
+    # together, so the event loop turns once for them, not once for each.
+    reading.lingered = True
+    _send(connection, lingering, command)
+
+
+def _send(connection: Any, *commands: list[Any]) -> None:
+    """``commands`` down ``connection`` in one write, as its ``send_command`` would send each,
+    packed by hiredis (``redis_hooks.packed``: redis-py's packer encodes each argument in
+    Python first, a few per cent of the main process at a fraction of capacity)."""
+    connection.send_packed_command([redis_hooks.packed(connection, [tuple(c) for c in commands])])
 
 
 def _read_wait(self: Any, **options: Any) -> NoReturn:
@@ -326,8 +338,11 @@ def _read_reserved(self: Any, sent: reserve.Request, **options: Any) -> bool:
     timeout).
     """
     reading = _reading(self)
+    lingered, reading.lingered = reading.lingered, False
     try:
         try:
+            if lingered:  # the linger's reply (nothing) comes first
+                _read_linger(self, **options)
             reply = self.client.parse_response(self.client.connection, "EVALSHA", **options)
         except self.connection_errors:
             # As kombu: disconnect so that the next iteration reconnects. What the script
@@ -372,6 +387,16 @@ def _read_reserved(self: Any, sent: reserve.Request, **options: Any) -> bool:
             raise
     lost_settles.lost.reserved(sent.score)
     return True
+
+
+def _read_linger(self: Any, **options: Any) -> None:
+    """Read the reply to a linger sent ahead of a script call: nothing, after its sleep. An
+    error (a failover unblocking it, say) only made the wait shorter: the script's reply
+    follows either way, and says what the broker made of the script."""
+    try:
+        self.client.parse_response(self.client.connection, "XREAD", **options)
+    except ResponseError as exc:
+        logger.debug("the linger ended early: %s", exc)
 
 
 def _refuse_aside(self: Any, sent: reserve.Request, reserved: reserve.Reserved) -> None:
@@ -496,6 +521,16 @@ def forget_locally(channel: Any, tag: Any) -> None:
     quick_ack = getattr(getattr(channel, "qos", None), "_quick_ack", None)
     if quick_ack is not None:
         quick_ack(tag)
+
+
+def ack_pool(channel: Any) -> Any | None:
+    """The connection pool ``channel``'s own clients take their connections from (what
+    ``QoS.pipe_or_acquire`` acknowledges through), when commands may be hand-sent on it
+    (``redis_hooks.transaction``): not with a global key prefix (kombu's client rewrites
+    the key names itself), nor where redis-py's hand-sent path is not proven."""
+    if getattr(channel, "global_keyprefix", None) or redis_hooks.refusal() is not None:
+        return None
+    return getattr(channel, "pool", None)
 
 
 def detached(channel: Any) -> bool:
