@@ -85,9 +85,15 @@ def round_trip(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
     if why is not None:
         _announce_pipeline(why)
         return _pipelined(client, commands)
-    pool = client.connection_pool
     # A client made with single_connection_client keeps one connection for every command.
     own: Any = getattr(client, "connection", None)
+    return _exchange(client.connection_pool, commands, own)
+
+
+def _exchange(pool: Any, commands: list[tuple[Any, ...]], own: Any = None) -> list[Any]:
+    """``commands`` in one write down ``own`` or a connection of ``pool``, and every reply
+    read, an error reply as its exception in its place (the connection stays in step);
+    connection errors retried by the connection's retry policy, which sends them all again."""
     conn: Any = own or (
         pool.get_connection("PIPELINE") if TAKES_COMMAND_NAME else pool.get_connection()
     )
@@ -130,31 +136,13 @@ def transaction(pool: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
     retried by the connection's retry policy, which sends the whole transaction again),
     without making a client and a pipeline for it (``worker/coalesce.py``'s grouped ack).
     Call it only where ``refusal()`` is None."""
-    conn: Any = pool.get_connection("MULTI") if TAKES_COMMAND_NAME else pool.get_connection()
     wrapped = [("MULTI",), *commands, ("EXEC",)]
-
-    def send() -> tuple[Any, list[redis_errors.ResponseError]]:
-        conn.send_packed_command([packed(conn, wrapped)])
-        refused: list[redis_errors.ResponseError] = []
-        for number, command in enumerate(wrapped[:-1]):  # MULTI's OK, then each QUEUED
-            try:
-                conn.read_response()
-            except redis_errors.ResponseError as exc:
-                refused.append(_annotated(exc, number, command))
-        try:
-            return conn.read_response(), refused
-        except redis_errors.ExecAbortError as exc:
-            return exc, refused
-
-    try:
-        reply, refused = conn.retry.call_with_retry(send, lambda _error: conn.disconnect())
-    except BaseException:
-        conn.disconnect()
-        raise
-    finally:
-        pool.release(conn)
-    if refused:  # EXEC was aborted: as redis-py, the first refusal is the error
-        raise refused[0]
+    *queued, reply = _exchange(pool, wrapped)
+    # MULTI's OK, then each QUEUED: a refusal there aborted EXEC, and as redis-py the first
+    # one is the error
+    for number, (answer, command) in enumerate(zip(queued, wrapped, strict=False)):
+        if isinstance(answer, redis_errors.ResponseError):
+            raise _annotated(answer, number, command)
     if isinstance(reply, Exception):
         raise reply
     if not isinstance(reply, list) or len(reply) != len(commands):
