@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,6 +113,13 @@ def _aof(broker: RedisServer) -> Path:
     return broker.workdir / "appendonlydir"
 
 
+def _snapshot(deployment: Deployment, into: Path) -> Path:
+    """A copy of the broker's AOF as it is now (nothing writes meanwhile), in ``into``."""
+    snapshot = into / "appendonlydir"
+    shutil.copytree(_aof(deployment.broker), snapshot)
+    return snapshot
+
+
 def _come_back_from(deployment: Deployment, snapshot: Path) -> None:
     """The broker killed (-9) and started again from ``snapshot``, an older AOF."""
     deployment.broker.stop(kill=True)
@@ -123,7 +129,7 @@ def _come_back_from(deployment: Deployment, snapshot: Path) -> None:
 
 
 def test_a_broker_gone_back_in_time_is_detected_and_what_producers_hold_comes_back(
-    deployment: Deployment,
+    deployment: Deployment, tmp_path: Path
 ) -> None:
     """A machine crash inside the fsync window, or a failover to a lagging replica: the
     broker comes back with a prefix of what it accepted. Here its AOF (fsync always) as it
@@ -135,8 +141,7 @@ def test_a_broker_gone_back_in_time_is_detected_and_what_producers_hold_comes_ba
         for r, client in enumerate(replicas):
             for session_id in [*sessions[r], f"doomed-{r}"]:
                 _turn(client, session_id, 1)
-        snapshot = Path(tempfile.mkdtemp(prefix="cq-aof-")) / "appendonlydir"
-        shutil.copytree(_aof(deployment.broker), snapshot)  # nothing writes meanwhile
+        snapshot = _snapshot(deployment, tmp_path)
         # And turn 2 accepted for every session, and every doomed one deleted
         for r, client in enumerate(replicas):
             for session_id in sessions[r]:
@@ -178,14 +183,13 @@ def test_a_broker_gone_back_in_time_is_detected_and_what_producers_hold_comes_ba
         assert all(store.load(f"doomed-{r}") is None for r in range(4))
         assert all(client.epoch_changes == 1 for client in replicas)
         assert deployment.dead_letters().count() == 0
-        shutil.rmtree(snapshot.parent)
     finally:
         for client in replicas:
             client.close()
 
 
 def test_a_loss_that_unaware_publishes_cover_up_is_detected_by_the_marks_token(
-    deployment: Deployment,
+    deployment: Deployment, tmp_path: Path
 ) -> None:
     """Finding 7 of tests/model/README.md: the broker loses producer A's last k publishes,
     then producer B, which saw none of them, publishes k times and brings the pending mark
@@ -195,8 +199,7 @@ def test_a_loss_that_unaware_publishes_cover_up_is_detected_by_the_marks_token(
         # Given A and B, each with a session at turn 1
         _turn(a, "a-session", 1)
         _turn(b, "b-session", 1)
-        snapshot = Path(tempfile.mkdtemp(prefix="cq-aof-")) / "appendonlydir"
-        shutil.copytree(_aof(deployment.broker), snapshot)  # nothing writes meanwhile
+        snapshot = _snapshot(deployment, tmp_path)
         # And A's turn 2 and a new session of A's accepted (k = 2 publishes)
         _turn(a, "a-session", 2)
         _turn(a, "a-other", 1)
@@ -236,7 +239,6 @@ def test_a_loss_that_unaware_publishes_cover_up_is_detected_by_the_marks_token(
             message="every turn in the store",
         )
         assert deployment.dead_letters().count() == 0
-        shutil.rmtree(snapshot.parent)
     finally:
         a.close()
         b.close()
@@ -317,7 +319,7 @@ def test_a_redelivered_settle_does_not_spend_the_count_of_another_missing_record
 
 
 def test_an_older_deliverys_settle_leaves_a_republished_request_to_its_own_message(
-    deployment: Deployment,
+    deployment: Deployment, tmp_path: Path
 ) -> None:
     # Finding 5 (tests/model/README.md): a worker held a delivery of a staged save when the
     # broker lost it; its settle, once the producer had published the request again (same
@@ -331,8 +333,7 @@ def test_an_older_deliverys_settle_leaves_a_republished_request_to_its_own_messa
         first = _turn(client, session_id, 1)
         assert client.wait_durable(first, timeout=60).outcome == APPLIED
         worker.terminate()
-        snapshot = Path(tempfile.mkdtemp(prefix="cq-aof-")) / "appendonlydir"
-        shutil.copytree(_aof(deployment.broker), snapshot)  # nothing writes meanwhile
+        snapshot = _snapshot(deployment, tmp_path)
         # Given turn 2 accepted, and its message (delivery D1) taken by a worker
         second = _turn(client, session_id, 2)
         (held,) = broker.lrange(QUEUE, 0, -1)
@@ -362,7 +363,6 @@ def test_an_older_deliverys_settle_leaves_a_republished_request_to_its_own_messa
             message="turn 2 settled by its own message",
         )
         assert deployment.dead_letters().count() == 0
-        shutil.rmtree(snapshot.parent)
     finally:
         client.close()
 
