@@ -800,12 +800,7 @@ class World:
         if self.one_redis:
             return
         now = self.clock.now_us()
-        lost = set()
-        for request in self.handles:
-            fence = self.store.fence(request.session)
-            if fence is None or fence.key < request.key:
-                lost.add(request.request_id)
-        self.history.losses.append(Loss(now, lost, self._counted(), self._entries()))
+        self.history.losses.append(Loss(now, self._lost_now(), self._counted(), self._entries()))
         self.broker.flushall()
         self.broker.script_flush()
 
