@@ -523,3 +523,54 @@ def test_a_count_from_a_publish_before_the_counted_requests_is_still_spent(
     # And no more than it holds
     _settle(redis_client, Settlement("s", "old-2", seq, True))
     assert not redis_client.hexists(KEYS.pending_counts(), "s")
+
+
+def test_a_count_left_by_entries_that_expired_is_reset_by_the_next_publish(
+    one_redis: tuple[CheckpointClient, CheckpointClient], redis_client: redis.Redis
+) -> None:
+    # Given a session whose pending entries expired with their deadline (a worker that never
+    # settled them), their count left behind
+    a, _ = one_redis
+    a.save(make_checkpoint("s", version=1))
+    redis_client.delete(KEYS.pending_requests("s"), KEYS.pending_counted("s"))
+    redis_client.zadd(KEYS.pending_index(), {"s": 1})
+    assert _count(redis_client, "s") == 1
+    # When the session is saved again
+    handle = a.save(make_checkpoint("s", version=2))
+    # Then the old count is gone and the new request counted once: loads answer it
+    assert _count(redis_client, "s") == 1
+    loaded = a.load("s")
+    assert loaded is not None and loaded.version == 2
+    # And both of its keys live until its deadline, as its index entry says
+    due = redis_client.zscore(KEYS.pending_index(), "s")
+    assert handle.seq is not None and due == handle.seq // 1000 + _ttl_ms(a)
+    for key in (KEYS.pending_requests("s"), KEYS.pending_counted("s")):
+        assert redis_client.pexpiretime(key) == due
+
+
+def test_a_publish_after_the_last_settle_gives_both_keys_its_deadline(
+    one_redis: tuple[CheckpointClient, CheckpointClient], redis_client: redis.Redis
+) -> None:
+    # Given a session whose worker settled everything it had (both of its keys gone)
+    a, _ = one_redis
+    first = a.save(make_checkpoint("s", version=1))
+    assert first.seq is not None
+    _settle(redis_client, Settlement("s", first.task_id, first.seq))
+    assert not redis_client.exists(KEYS.pending_requests("s"), KEYS.pending_counted("s"))
+    # When it is saved again, twice (its keys new, then there)
+    second = a.save(make_checkpoint("s", version=2))
+    third = a.save(make_checkpoint("s", version=3))
+    # Then each key lives until the latest request's deadline, and both are counted
+    assert third.seq is not None and second.seq is not None
+    due = third.seq // 1000 + _ttl_ms(a)
+    for key in (KEYS.pending_requests("s"), KEYS.pending_counted("s")):
+        assert redis_client.pexpiretime(key) == due
+    assert _count(redis_client, "s") == 2
+    loaded = a.load("s")
+    assert loaded is not None and loaded.version == 3
+
+
+def _ttl_ms(client: CheckpointClient) -> int:
+    records = client.pending_records
+    assert records is not None
+    return records.ttl_ms

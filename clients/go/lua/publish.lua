@@ -65,6 +65,10 @@ if ahead > limit / 2 then
     "CQREFUSED clock: this producer's clock is %.1f s ahead of the broker's (at most %.1f s"
       .. ' allowed): fix its time synchronisation (NTP)', ahead / 1e6, limit / 2e6))
 end
+-- The first request's session's entries before this publish: whether there are any, and
+-- until when (-2: none, -1: no expiry), read once, here; the writes below read those of
+-- each later request (an earlier one of the message may have written them).
+local first_expires
 for i = 1, records do
   local a = 9 + (i - 1) * 5
   local seq = tonumber(ARGV[a + 1])
@@ -84,7 +88,13 @@ for i = 1, records do
   -- entry gone) with another seq or op is another request's (a faulty producer reusing
   -- it), which would replace its entry and value. The same again is a retried publish that
   -- landed: harmless.
-  local held = redis.call('HGET', KEYS[3 + 3 * i], ARGV[a + 3])
+  -- (A session with no entries, as one whose worker keeps up most often has, holds none.)
+  local entries_exist = true
+  if i == 1 then
+    first_expires = redis.call('PEXPIRETIME', KEYS[6])
+    entries_exist = first_expires ~= -2
+  end
+  local held = entries_exist and redis.call('HGET', KEYS[3 + 3 * i], ARGV[a + 3])
     or redis.call('HGET', KEYS[5 + 3 * i], ARGV[a + 3])
   local op = ARGV[a + 2] == 'staged' and 'save' or ARGV[a + 2]
   if held and string.match(held, '^%S+ %S+') ~= ARGV[a + 1] .. ' ' .. op then
@@ -142,7 +152,10 @@ for i = 1, records do
     redis.call('SET', value_key, ARGV[a + 4], 'PXAT', due_at)
   end
   -- The session's entries: whether there are any, and until when (-2: none, -1: no expiry).
-  local expires, fresh = redis.call('PEXPIRETIME', entries), false
+  local expires, fresh = first_expires, false
+  if i > 1 then
+    expires = redis.call('PEXPIRETIME', entries)
+  end
   if expires == -2 then
     local due = tonumber(redis.call('ZSCORE', KEYS[2], ARGV[a]))
     if not due or due <= now_ms then
@@ -165,13 +178,22 @@ for i = 1, records do
   end
   -- Both keys live until the latest deadline of their requests. The entries' expiry was read
   -- above; the counted requests' only moves later (GT), and GT leaves a key without one
-  -- (created here, or again after a loss) as it is: only then the second call.
+  -- (created here) as it is, which NX sets: the likelier first, the other only when it did
+  -- nothing. With no entries before, the counted requests are most often new as well (the
+  -- last settle took both).
   if expires < deadline then
     redis.call('PEXPIREAT', entries, due_at)
   end
-  if fresh or (redis.call('PEXPIREAT', counted, due_at, 'GT') == 0
-      and redis.call('PEXPIRETIME', counted) == -1) then
+  if fresh then
     redis.call('PEXPIREAT', counted, due_at)
+  else
+    local first, second = 'GT', 'NX'
+    if expires == -2 then
+      first, second = 'NX', 'GT'
+    end
+    if redis.call('PEXPIREAT', counted, due_at, first) == 0 then
+      redis.call('PEXPIREAT', counted, due_at, second)
+    end
   end
   redis.call('ZADD', KEYS[2], 'GT', due_at, ARGV[a])
 end
