@@ -1,7 +1,7 @@
 """The producer's save, this checkout against another one, side by side in one run.
 
     python -m bench.save_versus --other PATH [--label NAME] [--rounds 7] [--calls 2000]
-                                [--warmup 4000] [--instructions]
+                                [--warmup 4000] [--instructions] [--drain RATE]
 
 ``PATH`` is another checkout of checkpointq with its own ``.venv`` (e.g. ``git worktree add
 /tmp/before 101094d && (cd /tmp/before && source scripts/setup-env)``): what a release
@@ -13,11 +13,23 @@ sessions) timed one by one, the process's CPU time over them, and the server's t
 EVALSHA and in all commands (``INFO commandstats``) per save. Reports medians with min-max
 and the median of the per-round ratios (this checkout / the other).
 
-``--instructions`` adds one more round per checkout against a redis-server run under
+``--drain RATE`` runs each checkout's own worker in its round (prefork -c 2, store and
+broker on the same server) and paces the timed saves at ``RATE`` per second once the
+warm-up is drained: every save then finds its session as a deployment whose workers keep up
+does, its previous request settled and its records gone, where without it each session
+holds the ~60 requests queued before it. The worker shares the machine (its CPU and the
+broker's single thread), as it would not in production; the broker's share is
+publish.lua's own time per call, the p50 of a SLOWLOG that keeps every command. ``--pin``
+puts the worker on the last CPU and the producer and broker on the first (``taskset``), so
+that the worker's bursts do not preempt them (they then share one CPU).
+
+``--instructions`` adds two more rounds per checkout against a redis-server run under
 valgrind's callgrind, counting the instructions it spends in EVALSHA per save: the scripts'
-cost on the broker, the same to about 1% from run to run whatever else the machine runs
-(timings on a shared machine are not). Callgrind slows the server about 50 times: a round
-takes about 20 s here.
+cost on the broker, with each session's requests left queued, then with its records
+removed after each save as its settle would (the state ``--drain`` measures, without the
+worker's own scripts in the count), the same to about 1% from run to run whatever else the
+machine runs (timings on a shared machine are not). Callgrind slows the server about 50
+times: a round takes about 20 s here.
 
 The warm-up is past what the producer's recovery window keeps (64 MiB by default, about
 3,000 of these saves): until then each save's message and value are memory the process
@@ -28,6 +40,7 @@ which a producer running for longer than that no longer pays.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -40,7 +53,9 @@ from typing import Any
 
 import redis
 
+from bench import worker_drain
 from bench.harness import summarize
+from bench.sweep_versus import Way
 from tests.support.servers import RedisServer, end_process, free_port, wait_until
 
 #: One round in a checkout's own interpreter: it imports that checkout's checkpointq only.
@@ -51,23 +66,46 @@ from checkpointq.store import RedisStore
 from checkpointq.tasks.producer.client import CheckpointClient
 
 url, calls, warmup = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rate, settled = float(sys.argv[4]), sys.argv[5] == "settled"
 client = CheckpointClient(url, RedisStore.from_url(url))
 checkpoints = [make_checkpoint(f"s{i}", 20_000) for i in range(100)]
+if settled:
+    import redis
+    raw = redis.Redis.from_url(url)
+    internal = "agentorca-session.cq:"
 
 def save(i):
     checkpoint = checkpoints[i % 100].model_copy(update={"version": i + 1})
     start = time.perf_counter()
     client.save(checkpoint)
-    return time.perf_counter() - start
+    spent = time.perf_counter() - start
+    if settled:  # what the session's last settle leaves (docs/protocol.md): no records
+        sid = checkpoint.session_id
+        raw.delete(internal + "pending-requests:" + sid, internal + "pending-counted:" + sid)
+        raw.hdel(internal + "pending-counts", sid)
+    return spent
 
 for i in range(warmup):
     save(i)
-cpu = time.process_time()
-micros = sorted(save(i) * 1e6 for i in range(warmup, warmup + calls))
+if rate:  # a worker drains: start from what it leaves, nothing queued
+    import redis
+    raw, deadline = redis.Redis.from_url(url), time.monotonic() + 300
+    while raw.llen("checkpoints") or raw.hlen("unacked"):
+        if time.monotonic() > deadline:
+            sys.exit("the worker did not drain the warm-up within 300 s")
+        time.sleep(0.05)
+
+def paced(i, due):
+    if rate:  # each save at its time: a pause, not a synchronisation
+        time.sleep(max(0.0, due + (i - warmup) / rate - time.perf_counter()))
+    return save(i)
+
+began, cpu, due = time.time(), time.process_time(), time.perf_counter()
+micros = sorted(paced(i, due) * 1e6 for i in range(warmup, warmup + calls))
 cpu = (time.process_time() - cpu) * 1e6 / calls
 client.close()
 print(json.dumps({"p50": micros[len(micros) // 2], "p99": micros[int(len(micros) * 0.99)],
-                  "cpu": cpu}))
+                  "cpu": cpu, "began": began}))
 """
 
 METRICS = {
@@ -76,15 +114,32 @@ METRICS = {
     "cpu": "producer CPU per save (us)",
     "evalsha": "server time in EVALSHA per save (us)",
     "server": "server time in all commands per save (us)",
+    "publish": "broker's time in publish.lua, p50 of its calls (us, SLOWLOG)",
 }
+#: How many commands the broker's SLOWLOG keeps in ``--drain`` (every command, then).
+SLOWLOG_LENGTH = 400_000
 
 
-def _saves(tree: Path, url: str, calls: int, warmup: int) -> dict[str, float]:
-    """One round's saves in ``tree``'s own interpreter: its figures (p50, p99, cpu)."""
+def _saves(
+    tree: Path,
+    url: str,
+    calls: int,
+    warmup: int,
+    rate: float = 0,
+    settled: bool = False,
+    pinned: bool = False,
+) -> dict[str, float]:
+    """One round's saves in ``tree``'s own interpreter: its figures (p50, p99, cpu), paced
+    at ``rate`` saves/s after the queue drained (0: back to back, no waiting); ``settled``:
+    each save's session records removed after it, as its settle would."""
     python = tree / ".venv" / "bin" / "python"
     env = {**os.environ, "PYTHONPATH": str(tree)}
     done = subprocess.run(
-        [str(python), "-c", ROUND, url, str(calls), str(warmup)],
+        [
+            *(["taskset", "-c", "0"] if pinned else []),
+            *(str(python), "-c", ROUND, url, str(calls), str(warmup), str(rate)),
+            "settled" if settled else "queued",
+        ],
         cwd=tree,
         env=env,
         capture_output=True,
@@ -98,11 +153,20 @@ def _saves(tree: Path, url: str, calls: int, warmup: int) -> dict[str, float]:
 
 
 def _round(
-    tree: Path, server: RedisServer, raw: redis.Redis, calls: int, warmup: int
+    tree: Path,
+    server: RedisServer,
+    raw: redis.Redis,
+    calls: int,
+    warmup: int,
+    rate: float,
+    pinned: bool,
 ) -> dict[str, float]:
     raw.flushall()
     raw.config_resetstat()
+    if rate:
+        return _drained_round(tree, server, raw, calls, warmup, rate, pinned)
     figures = _saves(tree, server.url, calls, warmup)
+    figures.pop("began")
     stats: dict[str, Any] = raw.info("commandstats")
     saves = calls + warmup
     figures["evalsha"] = stats.get("cmdstat_evalsha", {}).get("usec", 0) / saves
@@ -110,9 +174,54 @@ def _round(
     return figures
 
 
-def _instructions(tree: Path, calls: int, warmup: int) -> float:
+def _drained_round(
+    tree: Path,
+    server: RedisServer,
+    raw: redis.Redis,
+    calls: int,
+    warmup: int,
+    rate: float,
+    pinned: bool,
+) -> dict[str, float]:
+    """A round with ``tree``'s own worker draining the queue (prefork -c 2, as
+    ``sweep_versus`` starts it), the timed saves paced at ``rate``: each finds its session as
+    a deployment whose workers keep up does (the previous request settled, its records
+    gone). The broker's per-command statistics then mix in the worker's calls, so its share
+    is publish.lua's own time per call, from a SLOWLOG that keeps every command."""
+    publish = hashlib.sha1(
+        (tree / "tasks" / "lua" / "publish.lua").read_bytes(), usedforsecurity=False
+    ).hexdigest()
+    command = Way("worker", tree).command()
+    if pinned:  # the worker on the last CPU, the broker (and the producer: _saves) on the first
+        command = ["taskset", "-c", str((os.cpu_count() or 2) - 1), *command]
+        assert server.process is not None
+        pid = str(server.process.pid)
+        subprocess.run(["taskset", "-p", "-c", "0", pid], check=True, capture_output=True)
+    with worker_drain.running_worker(
+        server, server, command=command, extra_env={"PYTHONPATH": str(tree)}
+    ):
+        raw.config_set("slowlog-log-slower-than", 0)
+        raw.config_set("slowlog-max-len", SLOWLOG_LENGTH)
+        raw.slowlog_reset()
+        figures = _saves(tree, server.url, calls, warmup, rate, pinned=pinned)
+        log = raw.slowlog_get(SLOWLOG_LENGTH)
+        raw.config_set("slowlog-log-slower-than", 10_000)
+    began = figures.pop("began")
+    durations = sorted(
+        entry["duration"]
+        for entry in log
+        if entry["start_time"] > began
+        and entry["command"].startswith(b"EVALSHA " + publish.encode())
+    )
+    if durations:
+        figures["publish"] = durations[len(durations) // 2]
+    return figures
+
+
+def _instructions(tree: Path, calls: int, warmup: int, settled: bool) -> float:
     """The instructions a fresh redis-server under callgrind spends in EVALSHA per save,
-    for one round of ``tree``'s saves."""
+    for one round of ``tree``'s saves (``settled``: each session's records removed after
+    each save, as a worker that keeps up leaves them)."""
     if shutil.which("valgrind") is None or shutil.which("redis-server") is None:
         sys.exit("--instructions needs valgrind and redis-server on PATH")
     workdir = Path(tempfile.mkdtemp(prefix="cq-callgrind-"))
@@ -141,7 +250,7 @@ def _instructions(tree: Path, calls: int, warmup: int) -> float:
     raw = redis.Redis(host="127.0.0.1", port=port, socket_timeout=60)
     try:
         wait_until(raw.ping, timeout=120, interval=0.2, message="redis-server under callgrind")
-        _saves(tree, f"redis://127.0.0.1:{port}/0", calls, warmup)
+        _saves(tree, f"redis://127.0.0.1:{port}/0", calls, warmup, settled=settled)
         raw.shutdown(nosave=True)
         server.wait(timeout=120)
     finally:
@@ -163,7 +272,21 @@ def main() -> None:
     parser.add_argument(
         "--instructions", action="store_true", help="and count the broker's instructions"
     )
+    parser.add_argument(
+        "--drain",
+        type=float,
+        default=0,
+        metavar="RATE",
+        help="saves/s: each checkout's own worker drains while the timed saves are paced",
+    )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="with --drain: the worker on the last CPU, producer and broker on the first",
+    )
     options = parser.parse_args()
+    if options.pin and (not options.drain or shutil.which("taskset") is None):
+        sys.exit("--pin needs --drain and taskset (util-linux)")
     here = Path(__file__).resolve().parents[1]
     other: Path = options.other.resolve()
     if not (other / ".venv" / "bin" / "python").exists():
@@ -179,29 +302,51 @@ def main() -> None:
             names = list(trees) if i % 2 == 0 else list(reversed(trees))
             for name in names:
                 figures[name].append(
-                    _round(trees[name], server, raw, options.calls, options.warmup)
+                    _round(
+                        trees[name],
+                        server,
+                        raw,
+                        options.calls,
+                        options.warmup,
+                        options.drain,
+                        options.pin,
+                    )
                 )
     finally:
         raw.close()
         server.cleanup()
     mine, theirs = figures["this checkout"], figures[list(trees)[1]]
     print(
-        f"{began}, {options.rounds} rounds of {options.calls} saves after {options.warmup}, "
+        f"{began}, {options.rounds} rounds of {options.calls} saves after {options.warmup}"
+        + (
+            f", paced at {options.drain:g}/s, each checkout's worker draining"
+            if options.drain
+            else ""
+        )
+        + (", pinned" if options.pin else "")
+        + ", "
         f"load {load:.1f} -> "
         f"{os.getloadavg()[0]:.1f}; medians (min-max); ratio = this / other, per round"
     )
     print(f"| figure | this checkout | {list(trees)[1]} | ratio |\n|---|---:|---:|---:|")
     for key, title in METRICS.items() if options.rounds else ():  # --rounds 0: counts only
+        if key not in mine[0] or key not in theirs[0]:
+            continue
         a, b = [f[key] for f in mine], [f[key] for f in theirs]
         ratios = [x / y for x, y in zip(a, b, strict=True) if y]
         ratio = summarize(ratios).fmt(".3f")
         print(f"| {title} | {summarize(a).fmt('.1f')} | {summarize(b).fmt('.1f')} | {ratio} |")
     if options.instructions:
-        counts = [_instructions(tree, options.calls, options.warmup) for tree in trees.values()]
-        print(
-            f"| broker's instructions in EVALSHA per save (thousands, callgrind, one round) "
-            f"| {counts[0] / 1000:.1f} | {counts[1] / 1000:.1f} | {counts[0] / counts[1]:.3f} |"
-        )
+        for settled, state in ((False, "queued"), (True, "settled")):
+            counts = [
+                _instructions(tree, options.calls, options.warmup, settled)
+                for tree in trees.values()
+            ]
+            print(
+                f"| broker's instructions in EVALSHA per save, sessions {state} (thousands, "
+                f"callgrind, one round) | {counts[0] / 1000:.1f} | {counts[1] / 1000:.1f} "
+                f"| {counts[0] / counts[1]:.3f} |"
+            )
 
 
 if __name__ == "__main__":
