@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -152,36 +153,34 @@ def _saves(
     return figures
 
 
-def _round(
-    tree: Path,
-    server: RedisServer,
-    raw: redis.Redis,
-    calls: int,
-    warmup: int,
-    rate: float,
-    pinned: bool,
-) -> dict[str, float]:
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What each round does: ``warmup`` saves, then ``calls`` timed ones, paced at ``rate``
+    per second with each checkout's worker draining (0: none, back to back), ``pinned``
+    to CPUs."""
+
+    calls: int
+    warmup: int
+    rate: float = 0
+    pinned: bool = False
+
+
+def _round(tree: Path, server: RedisServer, raw: redis.Redis, plan: Plan) -> dict[str, float]:
     raw.flushall()
     raw.config_resetstat()
-    if rate:
-        return _drained_round(tree, server, raw, calls, warmup, rate, pinned)
-    figures = _saves(tree, server.url, calls, warmup)
+    if plan.rate:
+        return _drained_round(tree, server, raw, plan)
+    figures = _saves(tree, server.url, plan.calls, plan.warmup)
     figures.pop("began")
     stats: dict[str, Any] = raw.info("commandstats")
-    saves = calls + warmup
+    saves = plan.calls + plan.warmup
     figures["evalsha"] = stats.get("cmdstat_evalsha", {}).get("usec", 0) / saves
     figures["server"] = sum(v.get("usec", 0) for v in stats.values()) / saves
     return figures
 
 
 def _drained_round(
-    tree: Path,
-    server: RedisServer,
-    raw: redis.Redis,
-    calls: int,
-    warmup: int,
-    rate: float,
-    pinned: bool,
+    tree: Path, server: RedisServer, raw: redis.Redis, plan: Plan
 ) -> dict[str, float]:
     """A round with ``tree``'s own worker draining the queue (prefork -c 2, as
     ``sweep_versus`` starts it), the timed saves paced at ``rate``: each finds its session as
@@ -192,7 +191,7 @@ def _drained_round(
         (tree / "tasks" / "lua" / "publish.lua").read_bytes(), usedforsecurity=False
     ).hexdigest()
     command = Way("worker", tree).command()
-    if pinned:  # the worker on the last CPU, the broker (and the producer: _saves) on the first
+    if plan.pinned:  # the worker on the last CPU, broker and producer (_saves) on the first
         command = ["taskset", "-c", str((os.cpu_count() or 2) - 1), *command]
         assert server.process is not None
         pid = str(server.process.pid)
@@ -203,7 +202,7 @@ def _drained_round(
         raw.config_set("slowlog-log-slower-than", 0)
         raw.config_set("slowlog-max-len", SLOWLOG_LENGTH)
         raw.slowlog_reset()
-        figures = _saves(tree, server.url, calls, warmup, rate, pinned=pinned)
+        figures = _saves(tree, server.url, plan.calls, plan.warmup, plan.rate, pinned=plan.pinned)
         log = raw.slowlog_get(SLOWLOG_LENGTH)
         raw.config_set("slowlog-log-slower-than", 10_000)
     began = figures.pop("began")
@@ -293,6 +292,7 @@ def main() -> None:
         sys.exit(f"{other} has no .venv: run `source scripts/setup-env` there first")
     trees = {"this checkout": here, options.label or str(other): other}
     figures: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+    plan = Plan(options.calls, options.warmup, options.drain, options.pin)
     server = RedisServer().start()
     raw = server.client()
     began = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -301,17 +301,7 @@ def main() -> None:
         for i in range(options.rounds):
             names = list(trees) if i % 2 == 0 else list(reversed(trees))
             for name in names:
-                figures[name].append(
-                    _round(
-                        trees[name],
-                        server,
-                        raw,
-                        options.calls,
-                        options.warmup,
-                        options.drain,
-                        options.pin,
-                    )
-                )
+                figures[name].append(_round(trees[name], server, raw, plan))
     finally:
         raw.close()
         server.cleanup()
