@@ -36,16 +36,18 @@ local function number(n)
   return rest ~= nil and (rest == '' or string.match(rest, '^[eE][%+%-]?%d+$') ~= nil)
 end
 
-local CONTROL = {}
-for byte = 0, 31 do CONTROL[#CONTROL + 1] = string.char(byte) end
+local CONTROL = {'\0', '\1', '\2', '\3', '\4', '\5', '\6', '\7', '\8', '\9', '\10', '\11',
+  '\12', '\13', '\14', '\15', '\16', '\17', '\18', '\19', '\20', '\21', '\22', '\23',
+  '\24', '\25', '\26', '\27', '\28', '\29', '\30', '\31'}
 local MAX_DEPTH = 128
 -- Strings longer than LONG are left out of what cjson decodes (the body is one): each
 -- becomes BLANK, a control character no real value holds (items holding one are refused).
 local LONG, BLANK = 256, '\1'
 
 -- The literals, and the numbers an envelope mostly holds (one digit), known good at once.
-local PLAIN_TOKEN = {['true'] = true, ['false'] = true, ['null'] = true}
-for digit = 0, 9 do PLAIN_TOKEN[tostring(digit)] = true end
+local PLAIN_TOKEN = {
+  ['true'] = true, ['false'] = true, ['null'] = true, ['0'] = true, ['1'] = true, ['2'] = true,
+  ['3'] = true, ['4'] = true, ['5'] = true, ['6'] = true, ['7'] = true, ['8'] = true, ['9'] = true}
 
 -- Whether the scalars and nesting left between an item's strings are what Python reads.
 local function standard(bare)
