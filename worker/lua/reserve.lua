@@ -27,6 +27,8 @@
 local limit, budget, score = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local largest, sample = tonumber(ARGV[4]), tonumber(ARGV[5])
 local out, taken, bytes = {}, 0, 0
+-- What ``standard`` said of each text outside strings met in this call.
+local judged = {}
 
 -- Whether ``n`` is a JSON number as Python's json module reads it (cjson also takes 0x10,
 -- 01, +1, 1., nan, inf).
@@ -117,7 +119,14 @@ local function envelope_of(item)
     end
     at = close + 1
   end
-  if not standard(table.concat(outside, ' ')) then return nil end
+  -- Items of one producer share their text outside strings (their shape): judged once a call.
+  local bare = table.concat(outside, ' ')
+  local verdict = judged[bare]
+  if verdict == nil then
+    verdict = standard(bare)
+    judged[bare] = verdict
+  end
+  if not verdict then return nil end
   local skeleton = text
   if #long > 0 and not escaped then
     local pieces, from = {}, 1
