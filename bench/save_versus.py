@@ -84,6 +84,7 @@ def save(i):
         sid = checkpoint.session_id
         raw.delete(internal + "pending-requests:" + sid, internal + "pending-counted:" + sid)
         raw.hdel(internal + "pending-counts", sid)
+        raw.zrem(internal + "pending", sid)
     return spent
 
 for i in range(warmup):
