@@ -20,7 +20,11 @@ from typing import Any
 
 import pytest
 import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from kombu import connection, entity, messaging
+from kombu.utils import encoding as kombu_encoding
+from kombu.utils import json as kombu_json
 
 from checkpointq.store import redis_hooks
 from checkpointq.store.keys import KeySpace
@@ -36,6 +40,8 @@ from tests.support.servers import RedisServer, command_calls, wait_until
 Connection: Any = connection.Connection
 Producer: Any = messaging.Producer
 Queue: Any = entity.Queue
+kombu_loads: Any = kombu_json.loads
+bytes_to_str: Any = kombu_encoding.bytes_to_str
 
 QUEUE = "reserve-test"
 
@@ -616,6 +622,164 @@ def test_standard_envelopes_are_recorded_as_kombu_reads_them(
     assert _pop_one(redis_client, item) == "6f1c-tag"
     stored = redis_client.hget("unacked", "6f1c-tag")
     assert stored is not None and json.loads(stored) == [envelope, "", "checkpoints"]
+
+
+# What an envelope's headers may hold: every JSON value Python writes (no surrogates: one
+# alone is written raw by ensure_ascii=False and is not UTF-8), strings long and short, and
+# placeholders for text written in place of a value or a key (_RAW).
+_TEXT = st.text(st.characters(exclude_categories=["Cs"]), max_size=12) | st.builds(
+    lambda piece, times: piece * times, st.text(min_size=1, max_size=3), st.integers(90, 300)
+)
+#: Text put where a value or a key goes. True: standard JSON both read alike, which the
+#: script must record; False: text cjson and Python's json read apart (or not at all), or
+#: past what the script takes (deep nesting, an escaped "__type__"), which it may refuse.
+_RAW: list[tuple[bytes, bool]] = [
+    (b"1", True),
+    (b"-0", True),
+    (b"-0.5e-3", True),
+    (b"1E+5", True),
+    (b"true", True),
+    (b"null", True),
+    (b'"x"', True),
+    (b'"a\\"b\\\\c"', True),
+    (b'"\\u00e9\\u2028"', True),
+    (b"0x10", False),
+    (b"01", False),
+    (b"+1", False),
+    (b"1.", False),
+    (b"1.e5", False),
+    (b".5", False),
+    (b"nan", False),
+    (b"-inf", False),
+    (b"NaN", False),
+    (b"Infinity", False),
+    (b"1e999", False),
+    (b'"a\\x41"', False),
+    (b'"\\ud800"', False),
+    (b'"\t"', False),
+    (b'"\\u005f_type__"', False),
+    (b'{"__type__": "bogus", "__value__": 1}', False),
+    (b'{"\\u005f_type__": "bogus", "__value__": 1}', False),
+    (b"[" * 130 + b"]" * 130, False),
+    (b'"\xff"', False),
+    (b"\xc2\xa01", False),
+]
+_ALIKE = [f"@raw{n}@" for n, (_, same) in enumerate(_RAW) if same]
+_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**30), 10**30)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | _TEXT
+    | st.sampled_from(_ALIKE),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_TEXT, inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@st.composite
+def _probed(draw: st.DrawFn) -> Any:
+    """A header value holding one placeholder of any _RAW text, as a value or (for a
+    string) a key, a few lists or objects deep: one text cjson and Python read apart, alone,
+    is what must keep an envelope from being recorded."""
+    n = draw(st.integers(0, len(_RAW) - 1))
+    value: Any = f"@raw{n}@"
+    if _RAW[n][0].startswith(b'"') and draw(st.booleans()):
+        value = {value: draw(_VALUES)}
+    for wrapper in draw(st.lists(st.sampled_from(["list", "object"]), max_size=3)):
+        value = [draw(_VALUES), value] if wrapper == "list" else {draw(_TEXT): value}
+    return value
+
+
+#: Bytes a mutation puts anywhere in an item, cutting up to two.
+_PIECES = [
+    b"\\",
+    b'"',
+    b"{",
+    b"}",
+    b"[",
+    b"]",
+    b",",
+    b":",
+    b" ",
+    b"\t",
+    b"\n",
+    b"\x00",
+    b"\x7f",
+    b"\xff",
+    b"\\u0000",
+    b"__type__",
+    b'"delivery_tag": "tag-2", ',
+    b'"exchange": 1, ',
+    b'"routing_key": "elsewhere", ',
+    b'"properties": {}, ',
+    b'"delivery_info": "x", ',
+]
+
+
+def _written(text: str) -> tuple[bytes, bool]:
+    """``text`` with each placeholder written as its raw text; and whether the script must
+    record the result (every raw text in it is standard)."""
+    item, required = text.encode(), True
+    for n, (raw, standard) in enumerate(_RAW):
+        placeholder = f'"@raw{n}@"'.encode()
+        if placeholder in item:
+            item, required = item.replace(placeholder, raw), required and standard
+    return item, required
+
+
+def _mutate(item: bytes, draws: list[tuple[int, int, int]]) -> bytes:
+    for at, piece, cut in draws:
+        at %= len(item) + 1
+        item = item[:at] + _PIECES[piece % len(_PIECES)] + item[at + cut % 3 :]
+    return item
+
+
+@settings(
+    max_examples=600, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    headers=st.dictionaries(st.text(max_size=8), _VALUES, max_size=3),
+    probe=_probed(),
+    ascii_only=st.booleans(),
+    compact=st.booleans(),
+    draws=st.lists(
+        st.tuples(st.integers(0, 1 << 16), st.integers(0, 1 << 8), st.integers(0, 8)), max_size=2
+    ),
+)
+def test_what_the_script_records_kombus_restore_reads_as_the_item_and_its_tag(
+    redis_client: redis.Redis,
+    headers: dict[str, Any],
+    probe: Any,
+    ascii_only: bool,
+    compact: bool,
+    draws: list[tuple[int, int, int]],
+) -> None:
+    """The envelope check holds for envelopes nobody wrote by hand: whatever the script
+    records, kombu's restore reads back as the item, under the tag, exchange and routing
+    key kombu reads in it (what cjson takes and kombu's loads refuses or reads as another
+    value is never recorded); and every envelope of values both read alike is recorded."""
+    envelope = _envelope()
+    envelope["headers"].update(headers)
+    envelope["headers"]["probe"] = probe
+    separators = (",", ":") if compact else (", ", ": ")
+    item, required = _written(json.dumps(envelope, ensure_ascii=ascii_only, separators=separators))
+    item = _mutate(item, draws)
+    tag = _pop_one(redis_client, item)
+    if tag is None:
+        assert draws or not required, "a standard envelope was left unrecorded"
+        return
+    stored = redis_client.hget("unacked", tag)
+    assert stored is not None
+    # kombu's restore: loads(bytes_to_str(record)), then the message pushed back as it reads
+    message, exchange, routing_key = kombu_loads(bytes_to_str(stored))
+    assert message == kombu_loads(bytes_to_str(item))
+    properties = message["properties"]
+    assert tag == properties["delivery_tag"]
+    assert [exchange, routing_key] == [
+        properties["delivery_info"]["exchange"],
+        properties["delivery_info"]["routing_key"],
+    ]
 
 
 def test_a_routing_key_too_long_to_decode_cheaply_is_left_to_kombu(
