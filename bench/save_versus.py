@@ -1,7 +1,8 @@
 """The producer's save, this checkout against another one, side by side in one run.
 
     python -m bench.save_versus --other PATH [--label NAME] [--rounds 7] [--calls 2000]
-                                [--warmup 4000] [--instructions] [--drain RATE]
+                                [--warmup 4000] [--instructions] [--drain RATE [--pin]]
+                                [--lockstep CHUNK]
 
 ``PATH`` is another checkout of checkpointq with its own ``.venv`` (e.g. ``git worktree add
 /tmp/before 101094d && (cd /tmp/before && source scripts/setup-env)``): what a release
@@ -22,6 +23,12 @@ broker's single thread), as it would not in production; the broker's share is
 publish.lua's own time per call, the p50 of a SLOWLOG that keeps every command. ``--pin``
 puts the worker on the last CPU and the producer and broker on the first (``taskset``), so
 that the worker's bursts do not preempt them (they then share one CPU).
+
+``--lockstep CHUNK`` runs both checkouts at once instead, each on its own redis-server, in
+alternating chunks of ``CHUNK`` saves (requests queued, as without ``--drain``), and reports
+the median and interquartile range of the per-chunk-pair ratios of the p50s: this machine's
+speed drifts by a third from one second to the next, which a round of 2,000 saves against
+the next cannot tell from a difference of 5%, and chunks of 50 taken in turns can.
 
 ``--instructions`` adds two more rounds per checkout against a redis-server run under
 valgrind's callgrind, counting the instructions it spends in EVALSHA per save: the scripts'
@@ -44,6 +51,7 @@ import hashlib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -99,6 +107,19 @@ def paced(i, due):
     if rate:  # each save at its time: a pause, not a synchronisation
         time.sleep(max(0.0, due + (i - warmup) / rate - time.perf_counter()))
     return save(i)
+
+if len(sys.argv) > 6:  # lockstep: chunks of saves as the parent asks, figures after each
+    i = warmup
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "end":
+            break
+        cpu = time.process_time()
+        micros = [save(j) * 1e6 for j in range(i, i + int(line))]
+        i += len(micros)
+        print(json.dumps({"micros": micros, "cpu": (time.process_time() - cpu) * 1e6}),
+              flush=True)
+    sys.exit(0)
 
 cpu, due = time.process_time(), time.perf_counter()
 micros = sorted(paced(i, due) * 1e6 for i in range(warmup, warmup + calls))
@@ -213,6 +234,112 @@ def _drained_round(
     return figures
 
 
+def _lockstep(
+    trees: dict[str, Path], calls: int, warmup: int, chunk: int
+) -> tuple[dict[str, list[float]], dict[str, float], list[float]]:
+    """Both checkouts' saves at once, in alternating chunks of ``chunk``: each process on
+    its own redis-server, warmed up, then ``chunk`` saves of one while the other waits,
+    which goes first alternating. A machine whose speed drifts from one second to the next
+    (this one's does, by a third) then drifts under both alike: the per-chunk ratios are
+    what a round-by-round comparison cannot resolve. Returns each checkout's save times
+    (us), its CPU per save (us) and the per-pair ratios of the chunks' p50s (first / second).
+    """
+    servers = {name: RedisServer().start() for name in trees}
+    processes: dict[str, subprocess.Popen[str]] = {}
+    try:
+        for name, tree in trees.items():
+            processes[name] = subprocess.Popen(
+                [
+                    str(tree / ".venv" / "bin" / "python"),
+                    *("-c", ROUND, servers[name].url, "0", str(warmup), "0", "queued"),
+                    "lockstep",
+                ],
+                cwd=tree,
+                env={**os.environ, "PYTHONPATH": str(tree)},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        for name, process in processes.items():
+            assert process.stdout is not None
+            if process.stdout.readline().strip() != "ready":
+                sys.exit(f"the lockstep round in {trees[name]} failed to start")
+        micros: dict[str, list[float]] = {name: [] for name in trees}
+        cpu = dict.fromkeys(trees, 0.0)
+        ratios: list[float] = []
+        for n in range(max(1, calls // chunk)):
+            p50s: dict[str, float] = {}
+            for name in list(trees) if n % 2 == 0 else list(reversed(trees)):
+                process = processes[name]
+                assert process.stdin is not None and process.stdout is not None
+                process.stdin.write(f"{chunk}\n")
+                process.stdin.flush()
+                reply = json.loads(process.stdout.readline())
+                micros[name] += reply["micros"]
+                cpu[name] += reply["cpu"]
+                p50s[name] = sorted(reply["micros"])[chunk // 2]
+            first, second = list(trees)
+            ratios.append(p50s[first] / p50s[second])
+        for process in processes.values():
+            assert process.stdin is not None
+            process.stdin.write("end\n")
+            process.stdin.flush()
+        for process in processes.values():
+            process.wait(timeout=60)
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                end_process(process, kill=True)
+        for server in servers.values():
+            server.cleanup()
+    return micros, {name: cpu[name] / len(micros[name]) for name in trees}, ratios
+
+
+def _print_lockstep(
+    trees: dict[str, Path], rounds: int, calls: int, warmup: int, chunk: int
+) -> None:
+    """``rounds`` lockstep rounds (fresh servers and processes each), pooled."""
+    began = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    load = os.getloadavg()[0]
+    micros: dict[str, list[float]] = {name: [] for name in trees}
+    cpus: dict[str, list[float]] = {name: [] for name in trees}
+    ratios: list[float] = []
+    for _ in range(max(1, rounds)):
+        round_micros, round_cpu, round_ratios = _lockstep(trees, calls, warmup, chunk)
+        for name in trees:
+            micros[name] += round_micros[name]
+            cpus[name].append(round_cpu[name])
+        ratios += round_ratios
+    cpu = {name: statistics.mean(values) for name, values in cpus.items()}
+    first, second = list(trees)
+    print(
+        f"{began}, lockstep: {max(1, rounds)} rounds of {len(ratios) // max(1, rounds)} "
+        f"chunks of {chunk} saves each way after {warmup}, load {load:.1f} -> "
+        f"{os.getloadavg()[0]:.1f}; ratio = this / other"
+    )
+    print(f"| figure | this checkout | {second} | ratio |\n|---|---:|---:|---:|")
+    ordered = {name: sorted(values) for name, values in micros.items()}
+
+    def at(name: str, q: float) -> float:
+        return ordered[name][int(len(ordered[name]) * q)]
+
+    for title, q in (("save p50 (us), all saves", 0.5), ("save p99 (us), all saves", 0.99)):
+        print(
+            f"| {title} | {at(first, q):.1f} | {at(second, q):.1f} | "
+            f"{at(first, q) / at(second, q):.3f} |"
+        )
+    print(
+        f"| chunks' p50 ratio, median (min-max) of {len(ratios)} pairs | | | "
+        f"{summarize(ratios).fmt('.3f')} |"
+    )
+    quartiles = statistics.quantiles(ratios, n=4)
+    print(f"| chunks' p50 ratio, interquartile range | | | {quartiles[0]:.3f}-{quartiles[2]:.3f} |")
+    print(
+        f"| producer CPU per save (us) | {cpu[first]:.1f} | {cpu[second]:.1f} | "
+        f"{cpu[first] / cpu[second]:.3f} |"
+    )
+
+
 def _instructions(tree: Path, calls: int, warmup: int, settled: bool) -> float:
     """The instructions a fresh redis-server under callgrind spends in EVALSHA per save,
     for one round of ``tree``'s saves (``settled``: each session's records removed after
@@ -279,14 +406,26 @@ def main() -> None:
         action="store_true",
         help="with --drain: the worker on the last CPU, producer and broker on the first",
     )
+    parser.add_argument(
+        "--lockstep",
+        type=int,
+        default=0,
+        metavar="CHUNK",
+        help="both checkouts at once, in alternating chunks of CHUNK saves (requests queued)",
+    )
     options = parser.parse_args()
     if options.pin and (not options.drain or shutil.which("taskset") is None):
         sys.exit("--pin needs --drain and taskset (util-linux)")
+    if options.lockstep and options.drain:
+        sys.exit("--lockstep times saves back to back, with requests queued: not with --drain")
     here = Path(__file__).resolve().parents[1]
     other: Path = options.other.resolve()
     if not (other / ".venv" / "bin" / "python").exists():
         sys.exit(f"{other} has no .venv: run `source scripts/setup-env` there first")
     trees = {"this checkout": here, options.label or str(other): other}
+    if options.lockstep:
+        _print_lockstep(trees, options.rounds, options.calls, options.warmup, options.lockstep)
+        return
     figures: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
     plan = Plan(options.calls, options.warmup, options.drain, options.pin)
     server = RedisServer().start()
