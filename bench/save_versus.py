@@ -274,7 +274,10 @@ def _lockstep(
                 assert process.stdin is not None and process.stdout is not None
                 process.stdin.write(f"{chunk}\n")
                 process.stdin.flush()
-                reply = json.loads(process.stdout.readline())
+                line = process.stdout.readline()
+                if not line:  # its traceback went to stderr, which it shares with us
+                    sys.exit(f"the lockstep round in {trees[name]} failed")
+                reply = json.loads(line)
                 micros[name] += reply["micros"]
                 cpu[name] += reply["cpu"]
                 p50s[name] = sorted(reply["micros"])[chunk // 2]
@@ -332,7 +335,7 @@ def _print_lockstep(
         f"| chunks' p50 ratio, median (min-max) of {len(ratios)} pairs | | | "
         f"{summarize(ratios).fmt('.3f')} |"
     )
-    quartiles = statistics.quantiles(ratios, n=4)
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     print(f"| chunks' p50 ratio, interquartile range | | | {quartiles[0]:.3f}-{quartiles[2]:.3f} |")
     print(
         f"| producer CPU per save (us) | {cpu[first]:.1f} | {cpu[second]:.1f} | "
