@@ -24,8 +24,8 @@ publish.lua's own time per call, the p50 of a SLOWLOG that keeps every command. 
 puts the worker on the last CPU and the producer and broker on the first (``taskset``), so
 that the worker's bursts do not preempt them (they then share one CPU).
 
-``--lockstep CHUNK`` runs both checkouts at once instead, each on its own redis-server, in
-alternating chunks of ``CHUNK`` saves (requests queued, as without ``--drain``), and reports
+``--lockstep CHUNK`` runs both checkouts at once instead, each on its own redis-server (and,
+with ``--drain``, its own worker), in alternating chunks of ``CHUNK`` saves, and reports
 the median and interquartile range of the per-chunk-pair ratios of the p50s: this machine's
 speed drifts by a third from one second to the next, which a round of 2,000 saves against
 the next cannot tell from a difference of 5%, and chunks of 50 taken in turns can.
@@ -47,6 +47,7 @@ which a producer running for longer than that no longer pays.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -114,8 +115,11 @@ if len(sys.argv) > 6:  # lockstep: chunks of saves as the parent asks, figures a
     for line in sys.stdin:
         if line.strip() == "end":
             break
-        cpu = time.process_time()
-        micros = [save(j) * 1e6 for j in range(i, i + int(line))]
+        cpu, start, micros = time.process_time(), time.perf_counter(), []
+        for k in range(int(line)):
+            if rate:  # each save at its time: a pause, not a synchronisation
+                time.sleep(max(0.0, start + k / rate - time.perf_counter()))
+            micros.append(save(i + k) * 1e6)
         i += len(micros)
         print(json.dumps({"micros": micros, "cpu": (time.process_time() - cpu) * 1e6}),
               flush=True)
@@ -234,24 +238,48 @@ def _drained_round(
     return figures
 
 
+def _chunk(process: subprocess.Popen[str], tree: Path, saves: int) -> dict[str, Any]:
+    """One chunk of ``saves`` by a lockstep round's process: its save times and CPU."""
+    assert process.stdin is not None and process.stdout is not None
+    process.stdin.write(f"{saves}\n")
+    process.stdin.flush()
+    line = process.stdout.readline()
+    if not line:  # its traceback went to stderr, which it shares with us
+        sys.exit(f"the lockstep round in {tree} failed")
+    reply: dict[str, Any] = json.loads(line)
+    return reply
+
+
 def _lockstep(
-    trees: dict[str, Path], calls: int, warmup: int, chunk: int
+    trees: dict[str, Path], calls: int, warmup: int, chunk: int, rate: float = 0
 ) -> tuple[dict[str, list[float]], dict[str, float], list[float]]:
     """Both checkouts' saves at once, in alternating chunks of ``chunk``: each process on
     its own redis-server, warmed up, then ``chunk`` saves of one while the other waits,
     which goes first alternating. A machine whose speed drifts from one second to the next
     (this one's does, by a third) then drifts under both alike: the per-chunk ratios are
-    what a round-by-round comparison cannot resolve. Returns each checkout's save times
-    (us), its CPU per save (us) and the per-pair ratios of the chunks' p50s (first / second).
+    what a round-by-round comparison cannot resolve. ``rate``: each checkout's own worker
+    drains its server, and each chunk's saves are paced at ``rate`` per second (the other
+    side's worker idles meanwhile). Returns each checkout's save times (us), its CPU per
+    save (us) and the per-pair ratios of the chunks' p50s (first / second).
     """
     servers = {name: RedisServer().start() for name in trees}
     processes: dict[str, subprocess.Popen[str]] = {}
+    workers = contextlib.ExitStack()
     try:
         for name, tree in trees.items():
+            if rate:
+                workers.enter_context(
+                    worker_drain.running_worker(
+                        servers[name],
+                        servers[name],
+                        command=Way("worker", tree).command(),
+                        extra_env={"PYTHONPATH": str(tree)},
+                    )
+                )
             processes[name] = subprocess.Popen(
                 [
                     str(tree / ".venv" / "bin" / "python"),
-                    *("-c", ROUND, servers[name].url, "0", str(warmup), "0", "queued"),
+                    *("-c", ROUND, servers[name].url, "0", str(warmup), str(rate), "queued"),
                     "lockstep",
                 ],
                 cwd=tree,
@@ -270,14 +298,7 @@ def _lockstep(
         for n in range(max(1, calls // chunk)):
             p50s: dict[str, float] = {}
             for name in list(trees) if n % 2 == 0 else list(reversed(trees)):
-                process = processes[name]
-                assert process.stdin is not None and process.stdout is not None
-                process.stdin.write(f"{chunk}\n")
-                process.stdin.flush()
-                line = process.stdout.readline()
-                if not line:  # its traceback went to stderr, which it shares with us
-                    sys.exit(f"the lockstep round in {trees[name]} failed")
-                reply = json.loads(line)
+                reply = _chunk(processes[name], trees[name], chunk)
                 micros[name] += reply["micros"]
                 cpu[name] += reply["cpu"]
                 p50s[name] = sorted(reply["micros"])[chunk // 2]
@@ -293,13 +314,14 @@ def _lockstep(
         for process in processes.values():
             if process.poll() is None:
                 end_process(process, kill=True)
+        workers.close()
         for server in servers.values():
             server.cleanup()
     return micros, {name: cpu[name] / len(micros[name]) for name in trees}, ratios
 
 
 def _print_lockstep(
-    trees: dict[str, Path], rounds: int, calls: int, warmup: int, chunk: int
+    trees: dict[str, Path], rounds: int, calls: int, warmup: int, chunk: int, rate: float
 ) -> None:
     """``rounds`` lockstep rounds (fresh servers and processes each), pooled."""
     began = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -308,7 +330,7 @@ def _print_lockstep(
     cpus: dict[str, list[float]] = {name: [] for name in trees}
     ratios: list[float] = []
     for _ in range(max(1, rounds)):
-        round_micros, round_cpu, round_ratios = _lockstep(trees, calls, warmup, chunk)
+        round_micros, round_cpu, round_ratios = _lockstep(trees, calls, warmup, chunk, rate)
         for name in trees:
             micros[name] += round_micros[name]
             cpus[name].append(round_cpu[name])
@@ -317,7 +339,9 @@ def _print_lockstep(
     first, second = list(trees)
     print(
         f"{began}, lockstep: {max(1, rounds)} rounds of {len(ratios) // max(1, rounds)} "
-        f"chunks of {chunk} saves each way after {warmup}, load {load:.1f} -> "
+        f"chunks of {chunk} saves each way after {warmup}"
+        + (f", paced at {rate:g}/s, each checkout's worker draining" if rate else "")
+        + f", load {load:.1f} -> "
         f"{os.getloadavg()[0]:.1f}; ratio = this / other"
     )
     print(f"| figure | this checkout | {second} | ratio |\n|---|---:|---:|---:|")
@@ -414,20 +438,22 @@ def main() -> None:
         type=int,
         default=0,
         metavar="CHUNK",
-        help="both checkouts at once, in alternating chunks of CHUNK saves (requests queued)",
+        help="both checkouts at once, in alternating chunks of CHUNK saves",
     )
     options = parser.parse_args()
     if options.pin and (not options.drain or shutil.which("taskset") is None):
         sys.exit("--pin needs --drain and taskset (util-linux)")
-    if options.lockstep and options.drain:
-        sys.exit("--lockstep times saves back to back, with requests queued: not with --drain")
+    if options.lockstep and options.pin:
+        sys.exit("--lockstep runs both checkouts' workers at once: not with --pin")
     here = Path(__file__).resolve().parents[1]
     other: Path = options.other.resolve()
     if not (other / ".venv" / "bin" / "python").exists():
         sys.exit(f"{other} has no .venv: run `source scripts/setup-env` there first")
     trees = {"this checkout": here, options.label or str(other): other}
     if options.lockstep:
-        _print_lockstep(trees, options.rounds, options.calls, options.warmup, options.lockstep)
+        _print_lockstep(
+            trees, options.rounds, options.calls, options.warmup, options.lockstep, options.drain
+        )
         return
     figures: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
     plan = Plan(options.calls, options.warmup, options.drain, options.pin)

@@ -14,15 +14,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.integration
-def test_lockstep_times_both_checkouts_in_alternating_chunks() -> None:
+@pytest.mark.parametrize("drain", [[], ["--drain", "200"]], ids=["queued", "drained"])
+def test_lockstep_times_both_checkouts_in_alternating_chunks(drain: list[str]) -> None:
     if not (REPO / ".venv" / "bin" / "python").exists():
         pytest.skip("save_versus runs each checkout's own .venv; this tree has none")
     # When this checkout is compared with itself in 2 rounds of 3 chunks of 10 saves
+    # (drained: each side's own worker applying them, the saves paced)
     done = subprocess.run(
         [
             *(sys.executable, "-m", "bench.save_versus", "--other", str(REPO)),
             *("--label", "same", "--lockstep", "10", "--calls", "30"),
-            *("--warmup", "20", "--rounds", "2"),
+            *("--warmup", "20", "--rounds", "2", *drain),
         ],
         cwd=REPO,
         capture_output=True,
