@@ -554,9 +554,12 @@ class Deployment:
     def env(self) -> dict[str, str]:
         return checkpointq_env(**self.all_settings)
 
-    def worker(self, address_space: int | None = None) -> Celery:
-        """A worker; with ``address_space`` (bytes) under that memory limit."""
-        proc = Celery("worker", self.env(), address_space=address_space)
+    def worker(
+        self, address_space: int | None = None, extra_env: dict[str, str] | None = None
+    ) -> Celery:
+        """A worker; with ``address_space`` (bytes) under that memory limit, and
+        ``extra_env`` in its environment."""
+        proc = Celery("worker", {**self.env(), **(extra_env or {})}, address_space=address_space)
         self.processes.append(proc)
         return proc.start()
 
