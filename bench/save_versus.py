@@ -64,7 +64,7 @@ from typing import Any
 import redis
 
 from bench import worker_drain
-from bench.harness import summarize
+from bench.harness import percentile, summarize
 from bench.sweep_versus import Way
 from tests.support.servers import RedisServer, end_process, free_port, wait_until
 
@@ -104,9 +104,9 @@ if rate:  # a worker drains: start from what it leaves, nothing queued
                interval=0.05, message="the worker drained the warm-up")
     raw.slowlog_reset()  # the broker's log of every command: the timed saves' only
 
-def paced(i, due):
+def paced(i, k, start):  # save i, the k-th of saves paced from start (without a rate: now)
     if rate:  # each save at its time: a pause, not a synchronisation
-        time.sleep(max(0.0, due + (i - warmup) / rate - time.perf_counter()))
+        time.sleep(max(0.0, start + k / rate - time.perf_counter()))
     return save(i)
 
 if len(sys.argv) > 6:  # lockstep: chunks of saves as the parent asks, figures after each
@@ -115,18 +115,15 @@ if len(sys.argv) > 6:  # lockstep: chunks of saves as the parent asks, figures a
     for line in sys.stdin:
         if line.strip() == "end":
             break
-        cpu, start, micros = time.process_time(), time.perf_counter(), []
-        for k in range(int(line)):
-            if rate:  # each save at its time: a pause, not a synchronisation
-                time.sleep(max(0.0, start + k / rate - time.perf_counter()))
-            micros.append(save(i + k) * 1e6)
+        cpu, start = time.process_time(), time.perf_counter()
+        micros = [paced(i + k, k, start) * 1e6 for k in range(int(line))]
         i += len(micros)
         print(json.dumps({"micros": micros, "cpu": (time.process_time() - cpu) * 1e6}),
               flush=True)
     sys.exit(0)
 
 cpu, due = time.process_time(), time.perf_counter()
-micros = sorted(paced(i, due) * 1e6 for i in range(warmup, warmup + calls))
+micros = sorted(paced(i, i - warmup, due) * 1e6 for i in range(warmup, warmup + calls))
 cpu = (time.process_time() - cpu) * 1e6 / calls
 client.close()
 raw.close()
@@ -301,7 +298,7 @@ def _lockstep(
                 reply = _chunk(processes[name], trees[name], chunk)
                 micros[name] += reply["micros"]
                 cpu[name] += reply["cpu"]
-                p50s[name] = sorted(reply["micros"])[chunk // 2]
+                p50s[name] = percentile(reply["micros"], 50)
             first, second = list(trees)
             ratios.append(p50s[first] / p50s[second])
         for process in processes.values():
@@ -326,10 +323,11 @@ def _print_lockstep(
     """``rounds`` lockstep rounds (fresh servers and processes each), pooled."""
     began = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load = os.getloadavg()[0]
+    rounds = max(1, rounds)
     micros: dict[str, list[float]] = {name: [] for name in trees}
     cpus: dict[str, list[float]] = {name: [] for name in trees}
     ratios: list[float] = []
-    for _ in range(max(1, rounds)):
+    for _ in range(rounds):
         round_micros, round_cpu, round_ratios = _lockstep(trees, calls, warmup, chunk, rate)
         for name in trees:
             micros[name] += round_micros[name]
@@ -338,23 +336,16 @@ def _print_lockstep(
     cpu = {name: statistics.mean(values) for name, values in cpus.items()}
     first, second = list(trees)
     print(
-        f"{began}, lockstep: {max(1, rounds)} rounds of {len(ratios) // max(1, rounds)} "
+        f"{began}, lockstep: {rounds} rounds of {len(ratios) // rounds} "
         f"chunks of {chunk} saves each way after {warmup}"
         + (f", paced at {rate:g}/s, each checkout's worker draining" if rate else "")
         + f", load {load:.1f} -> "
         f"{os.getloadavg()[0]:.1f}; ratio = this / other"
     )
     print(f"| figure | this checkout | {second} | ratio |\n|---|---:|---:|---:|")
-    ordered = {name: sorted(values) for name, values in micros.items()}
-
-    def at(name: str, q: float) -> float:
-        return ordered[name][int(len(ordered[name]) * q)]
-
-    for title, q in (("save p50 (us), all saves", 0.5), ("save p99 (us), all saves", 0.99)):
-        print(
-            f"| {title} | {at(first, q):.1f} | {at(second, q):.1f} | "
-            f"{at(first, q) / at(second, q):.3f} |"
-        )
+    for title, q in (("save p50 (us), all saves", 50), ("save p99 (us), all saves", 99)):
+        mine, theirs = percentile(micros[first], q), percentile(micros[second], q)
+        print(f"| {title} | {mine:.1f} | {theirs:.1f} | {mine / theirs:.3f} |")
     print(
         f"| chunks' p50 ratio, median (min-max) of {len(ratios)} pairs | | | "
         f"{summarize(ratios).fmt('.3f')} |"

@@ -47,13 +47,18 @@ def _rewrite(path: Path, pattern: re.Pattern[str], replacement: str) -> None:
     path.write_text(text)
 
 
+def rewrite(tree: Path) -> None:
+    """Take the mark and the window out of ``tree``'s publish.lua and window defaults."""
+    _rewrite(tree / "tasks/lua/publish.lua", _MARK, _WITHOUT_MARK)
+    _rewrite(tree / "tasks/producer/pending.py", _WINDOW, "DEFAULT_REPUBLISH_SECONDS = 0.0")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path", type=Path, help="where the worktree goes (must not exist)")
     args = parser.parse_args()
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", args.path], check=True)
-    _rewrite(args.path / "tasks/lua/publish.lua", _MARK, _WITHOUT_MARK)
-    _rewrite(args.path / "tasks/producer/pending.py", _WINDOW, "DEFAULT_REPUBLISH_SECONDS = 0.0")
+    rewrite(args.path)
     subprocess.run(["bash", "-c", "source scripts/setup-env"], cwd=args.path, check=True)
     print(f"{args.path}: this commit without loss detection and recovery", file=sys.stderr)
 

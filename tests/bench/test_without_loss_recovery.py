@@ -17,17 +17,14 @@ def test_the_rewrite_takes_out_the_mark_and_the_window_and_leaves_a_script_redis
     tmp_path: Path, redis_client: redis.Redis
 ) -> None:
     # Given copies of the tree's publish.lua and the producer's window defaults
-    script, defaults = tmp_path / "publish.lua", tmp_path / "pending.py"
-    shutil.copy(REPO / "tasks/lua/publish.lua", script)
-    shutil.copy(REPO / "tasks/producer/pending.py", defaults)
+    script = tmp_path / "tasks/lua/publish.lua"
+    defaults = tmp_path / "tasks/producer/pending.py"
+    for copy in (script, defaults):
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / copy.relative_to(tmp_path), copy)
 
     # When the bench's checkout rewrites them
-    without_loss_recovery._rewrite(
-        script, without_loss_recovery._MARK, without_loss_recovery._WITHOUT_MARK
-    )
-    without_loss_recovery._rewrite(
-        defaults, without_loss_recovery._WINDOW, "DEFAULT_REPUBLISH_SECONDS = 0.0"
-    )
+    without_loss_recovery.rewrite(tmp_path)
 
     # Then the script neither reads nor writes the pending mark (KEYS[4]) and still loads,
     # and the window is off by default
