@@ -18,6 +18,7 @@ docs/design.md has the whole behaviour.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
@@ -38,6 +39,15 @@ logger = logging.getLogger(__name__)
 
 #: Seconds a probe waits for the store to connect and answer: it runs in the event loop.
 PROBE_TIMEOUT = 1.0
+
+#: Seconds a database's probe write may wait unanswered before the gate calls the database
+#: refusing: a probe queued behind other transactions (PgBouncer's pool, a slow commit) is
+#: slow, not refused; one that waits this long finds a database that stopped answering.
+PROBE_STALL_SECONDS = 10.0
+
+#: Seconds the consumer's event loop waits for a database's fresh probe; a later answer is
+#: heard at the next tick.
+PROBE_PROMPT_SECONDS = 0.1
 
 #: Probe intervals a refusal seen by a write holds the gate paused (``StoreGate.trip_hold``).
 TRIP_HOLD_PROBES = 5
@@ -196,20 +206,36 @@ class _StoreProbe:
 class _DatabaseProbe:
     """The write probe of a PostgreSQL store (``PostgresStore.write_refusal``): run on a
     thread of its own, so that a database that stops answering mid-query (no client-side
-    timeout can end a psycopg call) never holds the consumer's event loop."""
+    timeout can end a psycopg call) never holds the consumer's event loop.
 
-    def __init__(self, settings: Settings) -> None:
-        self.store = connections.open_store(settings)
+    A slow answer is no refusal: behind PgBouncer a probe queues for a server connection
+    behind the groups' transactions, and a busy disk holds a commit; pausing then would
+    stall every session when the database is busiest. The gate hears the last probe that
+    answered, and "no answer" only once one has waited ``PROBE_STALL_SECONDS``."""
+
+    def __init__(self, store: Any) -> None:
+        #: A store with ``write_refusal()`` and ``close()`` (``PostgresStore``).
+        self.store = store
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpointq-probe")
         self.running: Future[str | None] | None = None
+        self.started = 0.0
+        #: What the last probe to answer said.
+        self.answer: str | None = None
 
     def __call__(self) -> str | None:
-        if self.running is None or self.running.done():
-            self.running = self.pool.submit(self.store.write_refusal)
-        try:
-            return self.running.result(timeout=PROBE_TIMEOUT)
-        except FutureTimeout:
-            return f"no answer in {PROBE_TIMEOUT:.0f}s (the probe write still waits)"
+        running = self.running
+        if running is not None and not running.done():
+            waited = time.monotonic() - self.started
+            if waited >= PROBE_STALL_SECONDS:
+                return f"no answer in {waited:.0f}s (the probe write still waits)"
+            return self.answer
+        if running is not None:
+            self.answer = running.result()
+        self.running = self.pool.submit(self.store.write_refusal)
+        self.started = time.monotonic()
+        with contextlib.suppress(FutureTimeout):  # a database that answers at once is heard
+            self.answer = self.running.result(timeout=PROBE_PROMPT_SECONDS)
+        return self.answer
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -274,7 +300,9 @@ def install(app: Celery, settings: Settings) -> None:
             global _current
             resolved = connections.resolve(settings)
             self._probe = (
-                _DatabaseProbe(resolved) if resolved.store_is_postgres else _StoreProbe(resolved)
+                _DatabaseProbe(connections.open_store(resolved))
+                if resolved.store_is_postgres
+                else _StoreProbe(resolved)
             )
             self._broker = _BrokerProbe(resolved)
             # A database's refusals reach the gate from the writes too (worker/coalesce.py):

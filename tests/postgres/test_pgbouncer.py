@@ -11,15 +11,19 @@ closed, never used again (issue 39: the worker paused for good, 40 of 40 session
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psycopg
 import pytest
 
 from checkpointq.store.errors import StoreUnavailable
 from checkpointq.store.postgres import PostgresStore
+from checkpointq.worker.backpressure import PROBE_STALL_SECONDS
+from tests.faults.harness import hold
 from tests.postgres.conftest import PgDeployment
-from tests.postgres.traffic import PAUSED, RETRIES, Run, running, settle
+from tests.postgres.traffic import PAUSED, RESUMED, RETRIES, Run, running, settle
 from tests.support.checkpoints import make_checkpoint
 from tests.support.pgbouncer import PgBouncer, version
 from tests.support.postgres import PostgresServer
@@ -76,6 +80,66 @@ def test_the_worker_and_producers_through_pgbouncer_lose_nothing_and_never_pause
     assert PAUSED not in log, log[log.index(PAUSED) - 200 :][:600]
     for error in ("prepared statement", "insufficient data left", "ProtocolViolation"):
         assert error not in log, error
+
+
+@contextmanager
+def _pool_held(bouncer: PgBouncer) -> Iterator[None]:
+    """Every server connection of the pool held by a client's open transaction: every other
+    client's next transaction (the worker's groups, its probe, the producers' loads) queues
+    in PgBouncer until the block ends, as behind a pool busy with long transactions."""
+    holders = [
+        psycopg.connect(bouncer.url, autocommit=False, prepare_threshold=None)
+        for _ in range(bouncer.pool_size)
+    ]
+    try:
+        for holder in holders:
+            holder.execute("SELECT 1")
+        yield
+    finally:
+        for holder in holders:
+            holder.close()
+
+
+def test_a_pool_too_busy_to_answer_for_seconds_is_no_refusal(run: Run, bouncer: PgBouncer) -> None:
+    if bouncer.mode != "transaction":
+        pytest.skip("held in transaction mode, where the pool is smaller than its clients")
+    # Given producers saving steadily through PgBouncer
+    run.traffic.start()
+    run.traffic.more(50)
+    # When the pool is held for three seconds (longer than a probe's usual answer, shorter
+    # than the stall), so that the worker's probe and writes queue behind it
+    with _pool_held(bouncer):
+        started = time.monotonic()
+        hold(3.0)
+        run.traffic.more(20)
+    # (a load that queued meanwhile answers only now: the pool was held)
+    run.client.load(run.traffic.sent[-1].session_id)
+    assert time.monotonic() - started >= 3.0
+    run.traffic.more(50)
+    # Then the worker never paused for the wait: a slow answer is no refusal
+    settle(run)
+    log = run.log()
+    assert PAUSED not in log, log[log.index(PAUSED) - 200 :][:600]
+
+
+def test_a_pool_unanswered_past_the_stall_pauses_the_worker_until_it_answers(
+    run: Run, bouncer: PgBouncer
+) -> None:
+    if bouncer.mode != "transaction":
+        pytest.skip("held in transaction mode, where the pool is smaller than its clients")
+    # Given producers saving steadily through PgBouncer
+    run.traffic.start()
+    run.traffic.more(50)
+    # When the pool is held past the stall (a database that stopped answering)
+    with _pool_held(bouncer):
+        hold(PROBE_STALL_SECONDS + 1.0)
+        # Then the worker stops taking messages, saying its probe had no answer
+        paused = run.wait_logged(PAUSED, timeout=10)
+        assert "no answer in" in run.log()[paused:]
+    # and takes them again once the database answers, and every accepted request lands
+    run.wait_logged(RESUMED, after=paused)
+    run.traffic.more(50)
+    settle(run)
 
 
 def _take_its_server_connection(bouncer: PgBouncer) -> psycopg.Connection[tuple[object, ...]]:

@@ -4,6 +4,8 @@ put-back of an item whose dead letter cannot be written."""
 from __future__ import annotations
 
 import contextlib
+import re
+import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -194,3 +196,63 @@ def test_a_refusal_that_changes_kind_while_paused_is_announced(
     gate.tick()
     assert "store still refuses writes, now read-only (a standby" in caplog.text
     assert caplog.text.count("store refusing writes") == 1
+
+
+class _SlowDatabase:
+    """A store whose probe writes answer ``answer`` once ``release`` is set: a database
+    whose pool (PgBouncer's) or disk keeps the probe waiting."""
+
+    def __init__(self, answer: str | None = None) -> None:
+        self.answer = answer
+        self.release = threading.Event()
+        self.probes = 0
+
+    def write_refusal(self) -> str | None:
+        self.probes += 1
+        self.release.wait(30)
+        return self.answer
+
+    def close(self) -> None:
+        self.release.set()
+
+
+@pytest.fixture
+def slow_database() -> Iterator[tuple[_SlowDatabase, backpressure._DatabaseProbe]]:
+    store = _SlowDatabase()
+    probe = backpressure._DatabaseProbe(store)
+    yield store, probe
+    probe.close()
+
+
+def test_a_database_probe_that_answers_late_is_heard_and_no_refusal_meanwhile(
+    slow_database: tuple[_SlowDatabase, backpressure._DatabaseProbe],
+) -> None:
+    store, probe = slow_database
+    store.answer = "read-only (a standby, not the primary)"
+    # Given a probe write the database keeps waiting, past the event loop's short wait
+    started = time.monotonic()
+    # Then the tick neither waits for it nor calls the wait a refusal
+    assert probe() is None
+    assert time.monotonic() - started < backpressure.PROBE_STALL_SECONDS / 2
+    assert probe() is None and store.probes == 1  # (one probe at a time)
+    # When it answers, the next tick hears what it said and starts the next probe
+    store.release.set()
+    wait_until(lambda: probe.running is not None and probe.running.done(), timeout=5)
+    assert probe() == "read-only (a standby, not the primary)"
+    wait_until(lambda: store.probes == 2, timeout=5)
+
+
+def test_a_database_probe_unanswered_past_the_stall_is_a_refusal(
+    slow_database: tuple[_SlowDatabase, backpressure._DatabaseProbe],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store, probe = slow_database
+    monkeypatch.setattr(backpressure, "PROBE_STALL_SECONDS", 0.3)
+    # Given a probe write the database never answers
+    assert probe() is None
+    # Then once it has waited the stall, the gate hears "no answer", with how long
+    wait_until(lambda: probe() is not None, timeout=5, message="the stall to be called")
+    assert re.fullmatch(r"no answer in \d+s \(the probe write still waits\)", probe() or "")
+    # and once it answers, its answer replaces it
+    store.release.set()
+    wait_until(lambda: probe() is None, timeout=5, message="the answer to be heard")
