@@ -291,6 +291,7 @@ class PostgresStore(CheckpointStore):
             if conn is None:
                 conn = self._connect(write)
                 self._local.conn, self._local.pid = conn, os.getpid()
+                self._local.sessions = getattr(self._local, "sessions", 0) + 1
             elif write and not self._schema_checked:
                 self._check_schema(conn, write)  # a read connected while it was newer
             yield conn
@@ -788,9 +789,10 @@ class PostgresStore(CheckpointStore):
         the last minute); else why not.
 
         A probe whose session the server ended (``pg_terminate_backend``, an idle timeout,
-        a restart since), or that fails on a connection made earlier, tries again on a new
-        one, up to ``_PROBE_ATTEMPTS`` times: an ended session says nothing of whether the
-        database takes writes now, and a stopping server refuses the next connection."""
+        a restart since), that lost its new session before it answered, or that fails on a
+        connection made earlier, tries again on a new one, up to ``_PROBE_ATTEMPTS`` times:
+        an ended session says nothing of whether the database takes writes now, and a
+        stopping server refuses the next connection."""
         try:
             why = self._probe_until_answered()
         except postgres_schema.SchemaMismatch as exc:
@@ -808,6 +810,7 @@ class PostgresStore(CheckpointStore):
     def _probe_until_answered(self) -> str | None:
         for attempt in range(1, _PROBE_ATTEMPTS + 1):
             earlier = getattr(self._local, "conn", None) is not None
+            sessions = getattr(self._local, "sessions", 0)
             try:
                 return self._probe_write()
             except postgres_schema.SchemaMismatch:
@@ -815,7 +818,11 @@ class PostgresStore(CheckpointStore):
             except StoreUnavailable as exc:
                 lost = getattr(self._local, "conn", None) is None
                 ended = exc.__cause__ is not None and sqlstate(exc.__cause__) == TERMINATED
-                if attempt == _PROBE_ATTEMPTS or not lost or not (earlier or ended):
+                # (a session made for this attempt and lost before it answered: ended by
+                # the server, its message lost with the socket, "server closed the
+                # connection unexpectedly"; only a refused connection judges the server)
+                made = getattr(self._local, "sessions", 0) != sessions
+                if attempt == _PROBE_ATTEMPTS or not lost or not (earlier or ended or made):
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
 

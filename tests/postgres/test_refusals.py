@@ -1,5 +1,6 @@
 """How the PostgreSQL store names a refusal, on a private server it meets them on: a
-connection refused for want of a slot, a session the server ended, a probe's lost session."""
+connection refused for want of a slot, a session the server ended, a probe's lost session
+(ended with a message, or cut without one)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from checkpointq.store import postgres
 from checkpointq.store.errors import StoreUnavailable
 from checkpointq.store.postgres import PostgresStore, describe
 from checkpointq.store.serde import checkpoint_from_wire
+from tests.postgres.proxy import Proxy
 from tests.support.postgres import PostgresServer
 from tests.support.servers import wait_until
 
@@ -134,3 +136,59 @@ def test_a_probe_whose_every_new_session_is_ended_says_so(
     why = probe.write_refusal()
     assert why is not None and "terminating connection" in why, why
     assert len(ended) == postgres._PROBE_ATTEMPTS
+
+
+@pytest.fixture
+def cut_probe(
+    server: PostgresServer, store: PostgresStore
+) -> Iterator[tuple[PostgresStore, Proxy]]:
+    """A store that has made no session yet, reaching the server through a proxy that can
+    cut its connections without a word (a reset, as when the server's end went away and
+    took its message with it)."""
+    store.ping()
+    store.close()
+    proxy = Proxy(server.port)
+    fresh = PostgresStore(proxy.url(), schema="refusals")
+    yield fresh, proxy
+    fresh.close()
+    proxy.close()
+
+
+def _cutting_new_sessions(store: PostgresStore, proxy: Proxy, times: int) -> list[int]:
+    """Cut each of the store's next ``times`` new sessions as soon as it is made; the
+    count of connections cut each time."""
+    cut: list[int] = []
+    connect = store._connect
+
+    def connect_then_cut(write: bool) -> psycopg.Connection[Any]:
+        conn = connect(write)
+        if len(cut) < times:
+            cut.append(proxy.drop_all())
+        return conn
+
+    store._connect = connect_then_cut  # type: ignore[method-assign]
+    return cut
+
+
+def test_a_probe_whose_new_sessions_are_cut_without_a_word_tries_again(
+    cut_probe: tuple[PostgresStore, Proxy],
+) -> None:
+    probe, proxy = cut_probe
+    # Given the probe's next two new sessions cut as soon as they are made: the write that
+    # meets each fails with no SQLSTATE ("server closed the connection unexpectedly")
+    cut = _cutting_new_sessions(probe, proxy, times=2)
+    # Then the probe judges the database on a third: it takes writes
+    assert probe.write_refusal() is None
+    assert cut == [1, 1]
+
+
+def test_a_probe_whose_every_new_session_is_cut_says_so(
+    cut_probe: tuple[PostgresStore, Proxy],
+) -> None:
+    probe, proxy = cut_probe
+    # Given every session the probe makes cut as soon as it is made
+    cut = _cutting_new_sessions(probe, proxy, times=100)
+    # Then after a few tries the probe answers that it could not write
+    why = probe.write_refusal()
+    assert why is not None and why.startswith("unreachable"), why
+    assert len(cut) == postgres._PROBE_ATTEMPTS
