@@ -11,8 +11,8 @@ closed, never used again (issue 39: the worker paused for good, 40 of 40 session
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import psycopg
@@ -100,6 +100,11 @@ def _pool_held(bouncer: PgBouncer) -> Iterator[None]:
             holder.close()
 
 
+def _one_transaction(bouncer: PgBouncer) -> None:
+    with psycopg.connect(bouncer.url, prepare_threshold=None) as conn:
+        conn.execute("SELECT 1")
+
+
 def test_a_pool_too_busy_to_answer_for_seconds_is_no_refusal(run: Run, bouncer: PgBouncer) -> None:
     if bouncer.mode != "transaction":
         pytest.skip("held in transaction mode, where the pool is smaller than its clients")
@@ -108,13 +113,13 @@ def test_a_pool_too_busy_to_answer_for_seconds_is_no_refusal(run: Run, bouncer: 
     run.traffic.more(50)
     # When the pool is held for three seconds (longer than a probe's usual answer, shorter
     # than the stall), so that the worker's probe and writes queue behind it
-    with _pool_held(bouncer):
-        started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=1) as witness, _pool_held(bouncer):
+        waiting = witness.submit(_one_transaction, bouncer)
         hold(3.0)
         run.traffic.more(20)
-    # (a load that queued meanwhile answers only now: the pool was held)
-    run.client.load(run.traffic.sent[-1].session_id)
-    assert time.monotonic() - started >= 3.0
+        # (another client's transaction waited all along: the pool was held)
+        assert not waiting.done()
+    waiting.result(timeout=30)
     run.traffic.more(50)
     # Then the worker never paused for the wait: a slow answer is no refusal
     settle(run)
