@@ -185,8 +185,11 @@ def install(app: Celery) -> None:
 
         def stop(self, consumer: Any) -> None:
             task_consumer = getattr(consumer, "task_consumer", None)
-            if task_consumer is not None:
-                lost.restarting(task_consumer.channel.qos)
+            # (kombu's virtual channels hold a QoS of delivered messages; py-amqp's, on
+            # RabbitMQ, do not: the broker keeps them)
+            qos = getattr(getattr(task_consumer, "channel", None), "qos", None)
+            if qos is not None:
+                lost.restarting(qos)
             if self._tref is not None:
                 consumer.timer.cancel(self._tref)
                 self._tref = None

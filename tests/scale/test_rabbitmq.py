@@ -157,3 +157,18 @@ def test_a_store_out_of_memory_pauses_the_worker_and_saves_wait_in_rabbitmq(
     wait_drained(rabbit_vhost)
     assert DeadLetters(store_client, KeySpace(fleet.settings.key_prefix)).count() == 0
     assert RESUMED in fleet.logs()
+
+
+def test_a_worker_on_rabbitmq_shuts_down_without_an_error(
+    rabbit_vhost: RabbitVhost, store_server: RedisServer
+) -> None:
+    # Given a worker of its own on RabbitMQ, ready
+    fleet = Fleet.of(broker_url=rabbit_vhost.url, store_url=store_server.url).start_workers(1)
+    (worker,) = fleet.processes
+    # When it is stopped (warm shutdown, SIGTERM)
+    code = worker.stop()
+    # Then it exits cleanly, and no step's stop logged an error (the lost-settles step
+    # once read a kombu virtual channel's QoS off py-amqp's channel, which has none)
+    log = worker.log()
+    assert code == 0, log
+    assert "ERROR" not in log and "Traceback" not in log, log
