@@ -140,6 +140,7 @@ def test_two_workers_and_two_beats_expire_each_stale_session_once(
     ]
     alive = all(p.running() for p in [*workers, *beats])
     live_verdict = judge(store, live_saves)
+    print("errors logged:", *errors[:5], sep="\n")  # (shown should finish() fail)
     finish(
         deployment,
         live_verdict,
