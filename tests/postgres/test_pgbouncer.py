@@ -87,13 +87,10 @@ def _pool_held(bouncer: PgBouncer) -> Iterator[None]:
     """Every server connection of the pool held by a client's open transaction: every other
     client's next transaction (the worker's groups, its probe, the producers' loads) queues
     in PgBouncer until the block ends, as behind a pool busy with long transactions."""
-    holders = [
-        psycopg.connect(bouncer.url, autocommit=False, prepare_threshold=None)
-        for _ in range(bouncer.pool_size)
-    ]
+    holders: list[psycopg.Connection[tuple[object, ...]]] = []
     try:
-        for holder in holders:
-            holder.execute("SELECT 1")
+        for _ in range(bouncer.pool_size):
+            holders.append(_take_its_server_connection(bouncer))
         yield
     finally:
         for holder in holders:

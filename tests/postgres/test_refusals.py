@@ -4,8 +4,8 @@ connection refused for want of a slot, a session the server ended, a probe's los
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import psycopg
 import pytest
@@ -19,6 +19,8 @@ from tests.support.postgres import PostgresServer
 from tests.support.servers import wait_until
 
 pytestmark = pytest.mark.integration
+
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -87,24 +89,36 @@ def test_a_session_the_server_ended_is_no_refusal(
     assert store.write_refusal() is None
 
 
+def _after_new_sessions(
+    store: PostgresStore, times: int, act: Callable[[psycopg.Connection[Any]], T]
+) -> list[T]:
+    """Call ``act`` on each of the store's next ``times`` new sessions as soon as it is
+    made; what each call returned."""
+    done: list[T] = []
+    connect = store._connect
+
+    def connect_then_act(write: bool) -> psycopg.Connection[Any]:
+        conn = connect(write)
+        if len(done) < times:
+            done.append(act(conn))
+        return conn
+
+    store._connect = connect_then_act  # type: ignore[method-assign]
+    return done
+
+
 def _ending_new_sessions(server: PostgresServer, store: PostgresStore, times: int) -> list[int]:
     """Make the server end each of the store's next ``times`` new sessions as soon as it
     is made (an administrator's sweep that keeps catching the probe); the pids it ended."""
-    ended: list[int] = []
-    connect = store._connect
 
-    def connect_then_end(write: bool) -> psycopg.Connection[Any]:
-        conn = connect(write)
-        if len(ended) < times:
-            pid = conn.info.backend_pid
-            server.psql(f"SELECT pg_terminate_backend({pid})")
-            gone = f"SELECT count(*) FROM pg_stat_activity WHERE pid = {pid}"
-            wait_until(lambda: server.psql(gone) == "0", message=f"backend {pid} to end")
-            ended.append(pid)
-        return conn
+    def end(conn: psycopg.Connection[Any]) -> int:
+        pid = conn.info.backend_pid
+        server.psql(f"SELECT pg_terminate_backend({pid})")
+        gone = f"SELECT count(*) FROM pg_stat_activity WHERE pid = {pid}"
+        wait_until(lambda: server.psql(gone) == "0", message=f"backend {pid} to end")
+        return pid
 
-    store._connect = connect_then_end  # type: ignore[method-assign]
-    return ended
+    return _after_new_sessions(store, times, end)
 
 
 @pytest.fixture
@@ -157,17 +171,7 @@ def cut_probe(
 def _cutting_new_sessions(store: PostgresStore, proxy: Proxy, times: int) -> list[int]:
     """Cut each of the store's next ``times`` new sessions as soon as it is made; the
     count of connections cut each time."""
-    cut: list[int] = []
-    connect = store._connect
-
-    def connect_then_cut(write: bool) -> psycopg.Connection[Any]:
-        conn = connect(write)
-        if len(cut) < times:
-            cut.append(proxy.drop_all())
-        return conn
-
-    store._connect = connect_then_cut  # type: ignore[method-assign]
-    return cut
+    return _after_new_sessions(store, times, lambda _conn: proxy.drop_all())
 
 
 def test_a_probe_whose_new_sessions_are_cut_without_a_word_tries_again(
